@@ -28,23 +28,30 @@ async fn axum_router_replays_and_exposes_the_decision() {
     let app = Router::new()
         .route(
             "/orders",
-            post(|State(calls): State<Arc<AtomicUsize>>, body: Bytes| async move {
-                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-                (StatusCode::CREATED, format!("order {n} of {} bytes", body.len()))
-            }),
+            post(
+                |State(calls): State<Arc<AtomicUsize>>, body: Bytes| async move {
+                    let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                    (
+                        StatusCode::CREATED,
+                        format!("order {n} of {} bytes", body.len()),
+                    )
+                },
+            ),
         )
         .with_state(calls.clone())
         .layer(IdempotencyLayer::new(Arc::new(MemoryStore::default())))
         // An outer layer reads what idemgate decided, as an app would to log or count it.
-        .layer(axum::middleware::map_response(move |r: axum::response::Response| {
-            let seen = seen.clone();
-            async move {
-                if let Some(o) = r.extensions().get::<Outcome>() {
-                    seen.lock().unwrap().push(o.decision);
+        .layer(axum::middleware::map_response(
+            move |r: axum::response::Response| {
+                let seen = seen.clone();
+                async move {
+                    if let Some(o) = r.extensions().get::<Outcome>() {
+                        seen.lock().unwrap().push(o.decision);
+                    }
+                    r
                 }
-                r
-            }
-        }))
+            },
+        ))
         .layer(Extension(()));
     let addr = serve(app).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -62,7 +69,13 @@ async fn axum_router_replays_and_exposes_the_decision() {
     let retry = send().await.unwrap();
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    assert_eq!(retry.into_body().collect().await.unwrap().to_bytes(), first_body);
+    assert_eq!(
+        retry.into_body().collect().await.unwrap().to_bytes(),
+        first_body
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
-    assert_eq!(*decisions.lock().unwrap(), [Decision::Executed, Decision::Replayed]);
+    assert_eq!(
+        *decisions.lock().unwrap(),
+        [Decision::Executed, Decision::Replayed]
+    );
 }

@@ -43,8 +43,10 @@ impl Upstream {
 
 fn upstream_service(
     up: Arc<Upstream>,
-) -> impl Service<Req, Response = Response<Full<Bytes>>, Error = Infallible, Future: Send> + Clone + Send + 'static
-{
+) -> impl Service<Req, Response = Response<Full<Bytes>>, Error = Infallible, Future: Send>
++ Clone
++ Send
++ 'static {
     service_fn(move |req: Req| {
         let up = up.clone();
         async move {
@@ -84,7 +86,8 @@ fn post(key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
     if let Some(key) = key {
         b = b.header("idempotency-key", key);
     }
-    b.body(Full::new(Bytes::from_static(body.as_bytes()))).unwrap()
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
 }
 
 struct Answer {
@@ -102,9 +105,15 @@ impl Answer {
 }
 
 async fn send(layer: &IdempotencyLayer, up: &Arc<Upstream>, req: Request<Full<Bytes>>) -> Answer {
-    let svc = ServiceBuilder::new().layer(layer.clone()).service(upstream_service(up.clone()));
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(upstream_service(up.clone()));
     let response = svc.oneshot(req).await.unwrap();
-    let decision = response.extensions().get::<Outcome>().expect("outcome extension").decision;
+    let decision = response
+        .extensions()
+        .get::<Outcome>()
+        .expect("outcome extension")
+        .decision;
     let (parts, body) = response.into_parts();
     Answer {
         status: parts.status,
@@ -125,8 +134,14 @@ async fn first_request_runs_and_retry_replays_byte_for_byte() {
     let first = send(&layer, &up, post(Some("k1"), r#"{"amount":10}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(first.decision, Decision::Executed);
-    assert!(first.headers.get("idempotent-replayed").is_none(), "upstream's spoofed header must not cross");
-    assert_eq!(first.headers["set-cookie"], "session=abc", "the first client gets its cookie");
+    assert!(
+        first.headers.get("idempotent-replayed").is_none(),
+        "upstream's spoofed header must not cross"
+    );
+    assert_eq!(
+        first.headers["set-cookie"], "session=abc",
+        "the first client gets its cookie"
+    );
 
     let retry = send(&layer, &up, post(Some("k1"), r#"{"amount":10}"#)).await;
     assert_eq!(up.calls(), 1, "the retry must not reach the upstream");
@@ -136,7 +151,10 @@ async fn first_request_runs_and_retry_replays_byte_for_byte() {
     assert_eq!(retry.headers["idempotent-replayed"], "true");
     let multi: Vec<_> = retry.headers.get_all("x-multi").iter().collect();
     assert_eq!(multi, ["one", "two"]);
-    assert!(retry.headers.get("set-cookie").is_none(), "Set-Cookie is not stored by default");
+    assert!(
+        retry.headers.get("set-cookie").is_none(),
+        "Set-Cookie is not stored by default"
+    );
 }
 
 #[tokio::test]
@@ -160,16 +178,23 @@ async fn different_fingerprint_is_a_mismatch_with_configurable_status() {
     assert_eq!(other.decision, Decision::Mismatch);
     assert_eq!(up.calls(), 1);
 
-    let layer = memory_layer().default_route(RoutePolicy::api().mismatch_status(StatusCode::CONFLICT));
+    let layer =
+        memory_layer().default_route(RoutePolicy::api().mismatch_status(StatusCode::CONFLICT));
     send(&layer, &up, post(Some("k"), "a")).await;
-    assert_eq!(send(&layer, &up, post(Some("k"), "b")).await.status, StatusCode::CONFLICT);
+    assert_eq!(
+        send(&layer, &up, post(Some("k"), "b")).await.status,
+        StatusCode::CONFLICT
+    );
 }
 
 #[tokio::test]
 async fn in_flight_same_request_is_409_with_retry_after() {
     let layer = memory_layer();
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let first = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
         async move { send(&layer, &up, post(Some("k"), "{}")).await }
@@ -177,7 +202,10 @@ async fn in_flight_same_request_is_409_with_retry_after() {
     wait_for_calls(&up, 1).await;
     let second = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(second.status, StatusCode::CONFLICT);
-    assert_eq!(second.problem_type(), "urn:idemgate:problem:request-in-flight");
+    assert_eq!(
+        second.problem_type(),
+        "urn:idemgate:problem:request-in-flight"
+    );
     assert!(second.headers.contains_key("retry-after"));
     assert_eq!(second.decision, Decision::InFlight);
     // In flight with a different body is still a mismatch.
@@ -190,11 +218,13 @@ async fn in_flight_same_request_is_409_with_retry_after() {
 
 #[tokio::test]
 async fn concurrent_wait_replays_the_first_response() {
-    let layer = memory_layer().default_route(
-        RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(10))),
-    );
+    let layer = memory_layer()
+        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(10))));
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let first = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
         async move { send(&layer, &up, post(Some("k"), "{}")).await }
@@ -214,11 +244,13 @@ async fn concurrent_wait_replays_the_first_response() {
 
 #[tokio::test]
 async fn concurrent_wait_gives_up_with_409_after_its_timeout() {
-    let layer = memory_layer().default_route(
-        RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_millis(100))),
-    );
+    let layer = memory_layer()
+        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_millis(100))));
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let first = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
         async move { send(&layer, &up, post(Some("k"), "{}")).await }
@@ -243,9 +275,16 @@ async fn unknown_outcome_is_ambiguous_on_api_and_retried_on_webhook() {
     assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
     assert_eq!(retry.problem_type(), "urn:idemgate:problem:outcome-unknown");
     assert_eq!(retry.decision, Decision::OutcomeUnknown);
-    assert_eq!(up.calls(), 1, "an ambiguous request never runs again on its own");
+    assert_eq!(
+        up.calls(),
+        1,
+        "an ambiguous request never runs again on its own"
+    );
     // A different request under the same key is still a mismatch.
-    assert_eq!(send(&api, &up, post(Some("k"), "x")).await.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        send(&api, &up, post(Some("k"), "x")).await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
 
     let hooks = memory_layer().default_route(RoutePolicy::webhook());
     send(&hooks, &up, post(Some("k"), "{}")).await;
@@ -278,10 +317,16 @@ async fn presets_decide_which_statuses_are_kept() {
         up.calls() == 2
     }
     for status in [500, 503, 401, 403, 408, 425, 429] {
-        assert!(runs_twice(RoutePolicy::api(), status).await, "api must not keep {status}");
+        assert!(
+            runs_twice(RoutePolicy::api(), status).await,
+            "api must not keep {status}"
+        );
     }
     for status in [200, 201, 400, 404, 409] {
-        assert!(!runs_twice(RoutePolicy::api(), status).await, "api must keep {status}");
+        assert!(
+            !runs_twice(RoutePolicy::api(), status).await,
+            "api must keep {status}"
+        );
     }
     assert!(runs_twice(RoutePolicy::webhook(), 404).await);
     assert!(runs_twice(RoutePolicy::webhook(), 500).await);
@@ -303,11 +348,22 @@ async fn bad_keys_are_400_and_nothing_is_forwarded() {
         assert_eq!(r.decision, Decision::InvalidKey);
     }
     let mut twice = post(Some("a"), "{}");
-    twice.headers_mut().append("idempotency-key", HeaderValue::from_static("b"));
-    assert_eq!(send(&layer, &up, twice).await.status, StatusCode::BAD_REQUEST);
+    twice
+        .headers_mut()
+        .append("idempotency-key", HeaderValue::from_static("b"));
+    assert_eq!(
+        send(&layer, &up, twice).await.status,
+        StatusCode::BAD_REQUEST
+    );
     let mut non_ascii = post(None, "{}");
-    non_ascii.headers_mut().insert("idempotency-key", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
-    assert_eq!(send(&layer, &up, non_ascii).await.status, StatusCode::BAD_REQUEST);
+    non_ascii.headers_mut().insert(
+        "idempotency-key",
+        HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+    );
+    assert_eq!(
+        send(&layer, &up, non_ascii).await.status,
+        StatusCode::BAD_REQUEST
+    );
     assert_eq!(up.calls(), 0);
 }
 
@@ -317,7 +373,10 @@ async fn missing_key_passes_through_unless_required() {
     let open = memory_layer();
     let a = send(&open, &up, post(None, "{}")).await;
     let b = send(&open, &up, post(None, "{}")).await;
-    assert_eq!((a.decision, b.decision), (Decision::PassedThrough, Decision::PassedThrough));
+    assert_eq!(
+        (a.decision, b.decision),
+        (Decision::PassedThrough, Decision::PassedThrough)
+    );
     assert_eq!(up.calls(), 2);
 
     let strict = memory_layer().default_route(RoutePolicy::api().require_key(true));
@@ -339,9 +398,21 @@ async fn other_methods_stream_through_unbuffered() {
         .body(Full::new(Bytes::from_static(b"far more than four bytes")))
         .unwrap();
     let r = send(&layer, &up, req).await;
-    assert_eq!(r.decision, Decision::PassedThrough, "PUT is not in the default method set");
-    assert_eq!(r.status, StatusCode::CREATED, "a passed-through body is never capped");
-    assert_eq!(up.saw_replayed_header.load(Ordering::SeqCst), 0, "clients cannot spoof the replay header");
+    assert_eq!(
+        r.decision,
+        Decision::PassedThrough,
+        "PUT is not in the default method set"
+    );
+    assert_eq!(
+        r.status,
+        StatusCode::CREATED,
+        "a passed-through body is never capped"
+    );
+    assert_eq!(
+        up.saw_replayed_header.load(Ordering::SeqCst),
+        0,
+        "clients cannot spoof the replay header"
+    );
     assert!(r.headers.get("idempotent-replayed").is_none());
 }
 
@@ -351,14 +422,18 @@ async fn scope_keeps_callers_apart() {
     let up = Arc::new(Upstream::default());
     let as_user = |user: &'static str| {
         let mut r = post(Some("shared-key"), "{}");
-        r.headers_mut().insert("authorization", HeaderValue::from_static(user));
+        r.headers_mut()
+            .insert("authorization", HeaderValue::from_static(user));
         r
     };
     send(&layer, &up, as_user("Bearer alice")).await;
     let bob = send(&layer, &up, as_user("Bearer bob")).await;
     assert_eq!(bob.decision, Decision::Executed);
     assert_eq!(up.calls(), 2);
-    assert_eq!(send(&layer, &up, as_user("Bearer alice")).await.decision, Decision::Replayed);
+    assert_eq!(
+        send(&layer, &up, as_user("Bearer alice")).await.decision,
+        Decision::Replayed
+    );
 }
 
 #[tokio::test]
@@ -400,7 +475,10 @@ async fn routes_pick_their_own_policy_by_prefix() {
         .header("x-github-delivery", "d-1")
         .body(Full::new(Bytes::new()))
         .unwrap();
-    assert_eq!(send(&layer, &up, other).await.decision, Decision::PassedThrough);
+    assert_eq!(
+        send(&layer, &up, other).await.decision,
+        Decision::PassedThrough
+    );
 }
 
 #[tokio::test]
@@ -412,7 +490,10 @@ async fn request_over_the_limit_is_413_before_any_claim() {
     assert_eq!(r.problem_type(), "urn:idemgate:problem:request-too-large");
     assert_eq!(up.calls(), 0);
     // Nothing was claimed: the same key with a small body runs.
-    assert_eq!(send(&layer, &up, post(Some("k"), "{}")).await.decision, Decision::Executed);
+    assert_eq!(
+        send(&layer, &up, post(Some("k"), "{}")).await.decision,
+        Decision::Executed
+    );
 }
 
 #[tokio::test]
@@ -425,7 +506,10 @@ async fn response_over_the_limit_is_delivered_whole_and_never_run_again() {
     assert_eq!(first.body.len(), 100_000);
     let retry = send(&layer, &up, post(Some("big"), "{}")).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
-    assert_eq!(retry.problem_type(), "urn:idemgate:problem:response-not-replayable");
+    assert_eq!(
+        retry.problem_type(),
+        "urn:idemgate:problem:response-not-replayable"
+    );
     assert_eq!(retry.decision, Decision::NotReplayable);
     assert_eq!(up.calls(), 1);
 }
@@ -434,8 +518,13 @@ async fn response_over_the_limit_is_delivered_whole_and_never_run_again() {
 async fn client_hanging_up_does_not_cancel_the_upstream_call() {
     let layer = memory_layer();
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
-    let svc = ServiceBuilder::new().layer(layer.clone()).service(upstream_service(up.clone()));
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(upstream_service(up.clone()));
     let pending = tokio::spawn(svc.oneshot(post(Some("k"), "{}")));
     wait_for_calls(&up, 1).await;
     pending.abort(); // the client hangs up
@@ -461,14 +550,22 @@ async fn a_fenced_owner_still_answers_its_client_and_is_counted() {
     let store = Arc::new(MemoryStore::default());
     let layer = IdempotencyLayer::new(store.clone());
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let first = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
         async move { send(&layer, &up, post(Some("k"), "{}")).await }
     });
     wait_for_calls(&up, 1).await;
     // An operator deletes the record and a new request takes the key over.
-    let record = idemgate::fingerprint::record_key("default", &[http::header::AUTHORIZATION], &http::HeaderMap::new(), "k");
+    let record = idemgate::fingerprint::record_key(
+        "default",
+        &[http::header::AUTHORIZATION],
+        &http::HeaderMap::new(),
+        "k",
+    );
     assert!(store.delete(&record).await.unwrap());
     let second = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
@@ -492,19 +589,40 @@ struct BrokenStore {
 
 #[async_trait]
 impl Store for BrokenStore {
-    async fn claim(&self, _: &RecordKey, _: &idemgate::record::FingerprintHash, _: &ClaimOptions) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        _: &RecordKey,
+        _: &idemgate::record::FingerprintHash,
+        _: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
         self.fail().await
     }
-    async fn complete(&self, _: &RecordKey, _: OwnerToken, _: idemgate::record::Completion, _: Duration) -> Result<Transition, StoreError> {
+    async fn complete(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: idemgate::record::Completion,
+        _: Duration,
+    ) -> Result<Transition, StoreError> {
         self.fail().await
     }
     async fn release(&self, _: &RecordKey, _: OwnerToken) -> Result<Transition, StoreError> {
         self.fail().await
     }
-    async fn renew(&self, _: &RecordKey, _: OwnerToken, _: Duration) -> Result<Transition, StoreError> {
+    async fn renew(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Duration,
+    ) -> Result<Transition, StoreError> {
         self.fail().await
     }
-    async fn mark_ambiguous(&self, _: &RecordKey, _: OwnerToken, _: Duration) -> Result<Transition, StoreError> {
+    async fn mark_ambiguous(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Duration,
+    ) -> Result<Transition, StoreError> {
         self.fail().await
     }
     async fn get(&self, _: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -526,7 +644,10 @@ impl BrokenStore {
         if self.hang {
             std::future::pending::<()>().await;
         }
-        Err(StoreError::AtCapacity { backend: "broken", capacity: 0 })
+        Err(StoreError::AtCapacity {
+            backend: "broken",
+            capacity: 0,
+        })
     }
 }
 
@@ -551,7 +672,8 @@ async fn store_failure_is_503_and_nothing_is_forwarded() {
 
 #[tokio::test]
 async fn store_failure_in_pass_mode_forwards_and_counts() {
-    let layer = IdempotencyLayer::new(Arc::new(BrokenStore { hang: false })).on_store_error(OnStoreError::Pass);
+    let layer = IdempotencyLayer::new(Arc::new(BrokenStore { hang: false }))
+        .on_store_error(OnStoreError::Pass);
     let up = Arc::new(Upstream::default());
     let r = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(r.status, StatusCode::CREATED);
@@ -564,11 +686,29 @@ async fn store_failure_in_pass_mode_forwards_and_counts() {
 async fn lapsed_lease_under_api_becomes_ambiguous() {
     // A claim made by a gateway that then died: nobody renews it.
     let store = Arc::new(MemoryStore::default());
-    let record = idemgate::fingerprint::record_key("default", &[http::header::AUTHORIZATION], &http::HeaderMap::new(), "k");
+    let record = idemgate::fingerprint::record_key(
+        "default",
+        &[http::header::AUTHORIZATION],
+        &http::HeaderMap::new(),
+        "k",
+    );
     let req = post(Some("k"), "{}");
-    let fp = idemgate::fingerprint::fingerprint(req.method(), req.uri(), req.headers(), &[http::header::CONTENT_TYPE], b"{}");
-    let options = ClaimOptions { lease: Duration::from_millis(50), ttl: Duration::from_secs(60), on_lapse: UnknownOutcome::Ambiguous };
-    assert!(matches!(store.claim(&record, &fp, &options).await.unwrap(), Claim::Acquired(_)));
+    let fp = idemgate::fingerprint::fingerprint(
+        req.method(),
+        req.uri(),
+        req.headers(),
+        &[http::header::CONTENT_TYPE],
+        b"{}",
+    );
+    let options = ClaimOptions {
+        lease: Duration::from_millis(50),
+        ttl: Duration::from_secs(60),
+        on_lapse: UnknownOutcome::Ambiguous,
+    };
+    assert!(matches!(
+        store.claim(&record, &fp, &options).await.unwrap(),
+        Claim::Acquired(_)
+    ));
     tokio::time::sleep(Duration::from_millis(120)).await;
     let layer = IdempotencyLayer::new(store);
     let up = Arc::new(Upstream::default());
@@ -582,7 +722,10 @@ async fn lapsed_lease_under_api_becomes_ambiguous() {
 async fn lease_is_renewed_while_a_slow_request_runs() {
     let layer = memory_layer().default_route(RoutePolicy::api().lease(Duration::from_millis(90)));
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let first = tokio::spawn({
         let (layer, up) = (layer.clone(), up.clone());
         async move { send(&layer, &up, post(Some("k"), "{}")).await }
@@ -590,21 +733,33 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
     wait_for_calls(&up, 1).await;
     tokio::time::sleep(Duration::from_millis(400)).await; // several leases long
     let during = send(&layer, &up, post(Some("k"), "{}")).await;
-    assert_eq!(during.decision, Decision::InFlight, "a renewed lease must not lapse");
+    assert_eq!(
+        during.decision,
+        Decision::InFlight,
+        "a renewed lease must not lapse"
+    );
     gate.notify_one();
     first.await.unwrap();
-    assert_eq!(send(&layer, &up, post(Some("k"), "{}")).await.decision, Decision::Replayed);
+    assert_eq!(
+        send(&layer, &up, post(Some("k"), "{}")).await.decision,
+        Decision::Replayed
+    );
 }
 
 #[tokio::test]
 async fn sixty_four_concurrent_requests_run_once() {
     let layer = memory_layer();
     let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream { gate: Some(gate.clone()), ..Default::default() });
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let (layer, up) = (layer.clone(), up.clone());
-        tasks.push(tokio::spawn(async move { send(&layer, &up, post(Some("race"), "{}")).await.decision }));
+        tasks.push(tokio::spawn(async move {
+            send(&layer, &up, post(Some("race"), "{}")).await.decision
+        }));
     }
     wait_for_calls(&up, 1).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -612,7 +767,13 @@ async fn sixty_four_concurrent_requests_run_once() {
     let mut executed = 0;
     for t in tasks {
         let d = t.await.unwrap();
-        assert!(matches!(d, Decision::Executed | Decision::InFlight | Decision::Replayed), "{d:?}");
+        assert!(
+            matches!(
+                d,
+                Decision::Executed | Decision::InFlight | Decision::Replayed
+            ),
+            "{d:?}"
+        );
         executed += usize::from(d == Decision::Executed);
     }
     assert_eq!(executed, 1);

@@ -143,7 +143,11 @@ impl StatusSet {
                 )
             })?;
             for code in lo..=hi {
-                set = if remove { set.without(code) } else { set.with(code) };
+                set = if remove {
+                    set.without(code)
+                } else {
+                    set.with(code)
+                };
             }
         }
         Ok(set)
@@ -170,7 +174,9 @@ impl fmt::Debug for StatusSet {
         while code < 640 {
             if self.0[(code / 64) as usize] & (1 << (code % 64)) != 0 {
                 let start = code;
-                while code + 1 < 640 && self.0[((code + 1) / 64) as usize] & (1 << ((code + 1) % 64)) != 0 {
+                while code + 1 < 640
+                    && self.0[((code + 1) / 64) as usize] & (1 << ((code + 1) % 64)) != 0
+                {
                     code += 1;
                 }
                 if start == code {
@@ -441,7 +447,10 @@ mod tests {
         assert!(set.contains(s(201)) && set.contains(s(404)) && set.contains(s(503)));
         assert!(!set.contains(s(429)) && !set.contains(s(500)));
         for bad in ["6xx", "abc", "99", "1xx", "", "!"] {
-            assert!(StatusSet::parse(&[bad]).is_err(), "{bad:?} should be refused");
+            assert!(
+                StatusSet::parse(&[bad]).is_err(),
+                "{bad:?} should be refused"
+            );
         }
     }
 }

@@ -180,6 +180,14 @@ pub fn from_unix_millis(ms: u64) -> SystemTime {
 #[error("undecodable record: {0}")]
 pub struct DecodeError(&'static str);
 
+impl DecodeError {
+    /// An error saying what was wrong, for stores that check their own framing around the
+    /// encoded completion.
+    pub fn new(what: &'static str) -> Self {
+        Self(what)
+    }
+}
+
 const FORMAT_VERSION: u8 = 1;
 const TAG_RESPONSE: u8 = 1;
 const TAG_TOO_LARGE: u8 = 2;
@@ -294,7 +302,10 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append("set-thing", HeaderValue::from_static("a"));
         headers.append("set-thing", HeaderValue::from_static("b"));
-        headers.insert("content-type", HeaderValue::from_static("application/octet-stream"));
+        headers.insert(
+            "content-type",
+            HeaderValue::from_static("application/octet-stream"),
+        );
         let original = Completion::Response(StoredResponse {
             status: StatusCode::CREATED,
             headers,
@@ -302,7 +313,9 @@ mod tests {
         });
         let decoded = Completion::decode(original.encode()).unwrap();
         assert_eq!(decoded, original);
-        let Completion::Response(r) = decoded else { unreachable!() };
+        let Completion::Response(r) = decoded else {
+            unreachable!()
+        };
         let values: Vec<_> = r.headers.get_all("set-thing").iter().collect();
         assert_eq!(values, ["a", "b"]);
     }
@@ -326,7 +339,10 @@ mod tests {
         })
         .encode();
         for cut in 0..full.len() {
-            assert!(Completion::decode(full.slice(..cut)).is_err(), "cut at {cut}");
+            assert!(
+                Completion::decode(full.slice(..cut)).is_err(),
+                "cut at {cut}"
+            );
         }
     }
 

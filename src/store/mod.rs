@@ -11,6 +11,10 @@ use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

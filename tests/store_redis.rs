@@ -11,12 +11,99 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, Record, RecordKey, StoredResponse};
+use idemgate::record::{
+    Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
+};
 use idemgate::store::{
     Claim, ClaimOptions, EvictionPolicy, RedisStore, RedisStoreConfig, Store, StoreError,
     Transition, UnknownOutcome,
 };
 use redis_server::RedisServer;
+
+/// The whole contract, each check on its own server (dropped, and so killed, with the store).
+mod conformance {
+    use super::*;
+
+    idemgate::store_conformance_tests!(ServerBackedStore::start());
+}
+
+/// A store that owns the `redis-server` it talks to, so the server lives exactly as long as
+/// the conformance check that uses it.
+struct ServerBackedStore {
+    store: RedisStore,
+    _server: RedisServer,
+}
+
+impl ServerBackedStore {
+    async fn start() -> Self {
+        let server = RedisServer::start();
+        let store = connect(config(&server)).await;
+        Self {
+            store,
+            _server: server,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for ServerBackedStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        self.store.claim(key, fingerprint, options).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.complete(key, token, completion, ttl).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        self.store.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.renew(key, token, lease).await
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.mark_ambiguous(key, token, ttl).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.store.get(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.store.delete(key).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+
+    fn backend(&self) -> &'static str {
+        self.store.backend()
+    }
+}
 
 /// Short enough that fault tests finish quickly, long enough for a loaded 2-core machine.
 const FAULT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -78,7 +165,7 @@ async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .expect("raw connection to the test redis-server")
 }
 
-async fn acquire(store: &RedisStore, name: &str) -> idemgate::record::OwnerToken {
+async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
     match store
         .claim(&key(name), &fingerprint(name), &options())
         .await

@@ -13,7 +13,11 @@ use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
+#[cfg(feature = "redis")]
+pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].

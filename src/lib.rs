@@ -9,3 +9,5 @@
 pub mod policy;
 pub mod record;
 pub mod store;
+#[cfg(feature = "proxy")]
+pub mod proxy;

@@ -143,7 +143,11 @@ impl StatusSet {
                 )
             })?;
             for code in lo..=hi {
-                set = if remove { set.without(code) } else { set.with(code) };
+                set = if remove {
+                    set.without(code)
+                } else {
+                    set.with(code)
+                };
             }
         }
         Ok(set)
@@ -170,7 +174,9 @@ impl fmt::Debug for StatusSet {
         while code < 640 {
             if self.0[(code / 64) as usize] & (1 << (code % 64)) != 0 {
                 let start = code;
-                while code + 1 < 640 && self.0[((code + 1) / 64) as usize] & (1 << ((code + 1) % 64)) != 0 {
+                while code + 1 < 640
+                    && self.0[((code + 1) / 64) as usize] & (1 << ((code + 1) % 64)) != 0
+                {
                     code += 1;
                 }
                 if start == code {
@@ -210,6 +216,16 @@ pub enum Concurrent {
     /// Wait up to the given time for the first request to finish, then replay its response;
     /// `409` if it is still running.
     Wait(Duration),
+}
+
+/// What a keyed request does when the store fails or does not answer in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OnStoreError {
+    /// Answer `503` with `Retry-After` and forward nothing (fail closed).
+    #[default]
+    Reject,
+    /// Forward the request without protection; logged and counted.
+    Pass,
 }
 
 /// Everything the layer needs to know about one route.
@@ -441,7 +457,10 @@ mod tests {
         assert!(set.contains(s(201)) && set.contains(s(404)) && set.contains(s(503)));
         assert!(!set.contains(s(429)) && !set.contains(s(500)));
         for bad in ["6xx", "abc", "99", "1xx", "", "!"] {
-            assert!(StatusSet::parse(&[bad]).is_err(), "{bad:?} should be refused");
+            assert!(
+                StatusSet::parse(&[bad]).is_err(),
+                "{bad:?} should be refused"
+            );
         }
     }
 }

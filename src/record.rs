@@ -294,7 +294,10 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append("set-thing", HeaderValue::from_static("a"));
         headers.append("set-thing", HeaderValue::from_static("b"));
-        headers.insert("content-type", HeaderValue::from_static("application/octet-stream"));
+        headers.insert(
+            "content-type",
+            HeaderValue::from_static("application/octet-stream"),
+        );
         let original = Completion::Response(StoredResponse {
             status: StatusCode::CREATED,
             headers,
@@ -302,7 +305,9 @@ mod tests {
         });
         let decoded = Completion::decode(original.encode()).unwrap();
         assert_eq!(decoded, original);
-        let Completion::Response(r) = decoded else { unreachable!() };
+        let Completion::Response(r) = decoded else {
+            unreachable!()
+        };
         let values: Vec<_> = r.headers.get_all("set-thing").iter().collect();
         assert_eq!(values, ["a", "b"]);
     }
@@ -326,7 +331,10 @@ mod tests {
         })
         .encode();
         for cut in 0..full.len() {
-            assert!(Completion::decode(full.slice(..cut)).is_err(), "cut at {cut}");
+            assert!(
+                Completion::decode(full.slice(..cut)).is_err(),
+                "cut at {cut}"
+            );
         }
     }
 

@@ -192,9 +192,7 @@ async fn by_key(state: &AdminState, method: &Method, query: &str) -> Response<Ad
 /// The record key the layer files a request with this route, scope headers and key under.
 fn record_key_for(policy: &RoutePolicy, scope_headers: &HeaderMap, key: &str) -> Option<RecordKey> {
     let key = crate::key::parse_value(key.as_bytes()).ok()?;
-    let scope: Vec<(&HeaderName, Option<&HeaderValue>)> =
-        policy.scope_headers.iter().map(|name| (name, scope_headers.get(name))).collect();
-    Some(crate::record_key(policy.route_name(), &scope, &key))
+    Some(crate::fingerprint::record_key(policy.route_name(), &policy.scope_headers, scope_headers, &key))
 }
 
 async fn record(state: &AdminState, method: &Method, key: RecordKey) -> Response<AdminBody> {

@@ -151,7 +151,7 @@ fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Respon
     let (problem, failure) = match kind {
         UpstreamErrorKind::Unreachable => (Problem::upstream_unreachable(), UpstreamFailure::NotSent),
         UpstreamErrorKind::Timeout => (Problem::upstream_timeout(shared.timeout), UpstreamFailure::Unknown),
-        UpstreamErrorKind::Reset => (Problem::upstream_reset(), UpstreamFailure::Unknown),
+        UpstreamErrorKind::Reset => (Problem::response_interrupted(), UpstreamFailure::Unknown),
     };
     let mut response = problem.into_response().map(ProxyBody::full);
     response.extensions_mut().insert(failure);

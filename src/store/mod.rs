@@ -11,7 +11,6 @@ use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
-
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 

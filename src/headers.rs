@@ -1,0 +1,55 @@
+//! Header rules shared by the layer and the proxy.
+
+use http::HeaderMap;
+use http::header::{CONNECTION, HeaderName, TE, TRAILER, TRANSFER_ENCODING, UPGRADE};
+
+/// The hop-by-hop fields of RFC 9110 §7.6.1, plus the legacy ones still seen in the wild.
+pub const HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
+    TE,
+    TRAILER,
+    TRANSFER_ENCODING,
+    UPGRADE,
+];
+
+/// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn strips_fixed_and_connection_named_fields() {
+        let mut h = HeaderMap::new();
+        h.insert(CONNECTION, HeaderValue::from_static("keep-alive, X-Secret"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+}

@@ -1,0 +1,439 @@
+//! Every answer idemgate makes up itself, decided here: RFC 9457 problem responses, replays of
+//! stored responses, and the extensions that tell the application what was decided.
+//!
+//! # Problem types
+//!
+//! Each problem body is `application/problem+json` with `type`, `title`, `status` and
+//! `detail`. The `type` is `urn:idemgate:problem:<slug>`:
+//!
+//! | slug | status | when |
+//! | --- | --- | --- |
+//! | `invalid-key` | 400 | the key is empty, longer than 255, not visible ASCII, a malformed sf-string, or sent twice |
+//! | `missing-key` | 400 | the route requires a key and the request has none |
+//! | `request-body-error` | 400 | the request body could not be read |
+//! | `request-too-large` | 413 | the body of a keyed request is over `max_request_bytes` |
+//! | `key-mismatch` | 422 (configurable) | the key was used before with a different request |
+//! | `request-in-flight` | 409 + `Retry-After` | the same request is running now |
+//! | `response-not-replayable` | 409 | the request ran, but its response was over `max_response_bytes` and was not kept |
+//! | `outcome-unknown` | 502 | the request was sent upstream before and no answer was captured; an operator resolves it |
+//! | `upstream-unreachable` | 502 | the upstream could not be reached; nothing was sent |
+//! | `upstream-timeout` | 504 | the upstream did not answer within `upstream_timeout` |
+//! | `store-unavailable` | 503 + `Retry-After` | the record store failed or did not answer in time; nothing was forwarded |
+//! | `internal-error` | 500 | idemgate's own task ended without an answer (a bug) |
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
+
+use crate::record::{Hash256, StoredResponse};
+
+/// The header idemgate sets on every replayed response. idemgate owns it: it is removed from
+/// client requests and from upstream responses.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
+
+/// The kinds of problem idemgate answers with. See the module docs for the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// `400 invalid-key`.
+    InvalidKey,
+    /// `400 missing-key`.
+    MissingKey,
+    /// `400 request-body-error`.
+    RequestBodyError,
+    /// `413 request-too-large`.
+    RequestTooLarge,
+    /// `422 key-mismatch` (status configurable per route).
+    KeyMismatch,
+    /// `409 request-in-flight`.
+    RequestInFlight,
+    /// `409 response-not-replayable`.
+    ResponseNotReplayable,
+    /// `502 outcome-unknown`.
+    OutcomeUnknown,
+    /// `502 upstream-unreachable`.
+    UpstreamUnreachable,
+    /// `504 upstream-timeout`.
+    UpstreamTimeout,
+    /// `503 store-unavailable`.
+    StoreUnavailable,
+    /// `500 internal-error`.
+    Internal,
+}
+
+impl ProblemKind {
+    /// The slug after `urn:idemgate:problem:`.
+    pub fn slug(self) -> &'static str {
+        match self {
+            ProblemKind::InvalidKey => "invalid-key",
+            ProblemKind::MissingKey => "missing-key",
+            ProblemKind::RequestBodyError => "request-body-error",
+            ProblemKind::RequestTooLarge => "request-too-large",
+            ProblemKind::KeyMismatch => "key-mismatch",
+            ProblemKind::RequestInFlight => "request-in-flight",
+            ProblemKind::ResponseNotReplayable => "response-not-replayable",
+            ProblemKind::OutcomeUnknown => "outcome-unknown",
+            ProblemKind::UpstreamUnreachable => "upstream-unreachable",
+            ProblemKind::UpstreamTimeout => "upstream-timeout",
+            ProblemKind::StoreUnavailable => "store-unavailable",
+            ProblemKind::Internal => "internal-error",
+        }
+    }
+
+    /// The problem's short, fixed title.
+    pub fn title(self) -> &'static str {
+        match self {
+            ProblemKind::InvalidKey => "Invalid idempotency key",
+            ProblemKind::MissingKey => "Idempotency key required",
+            ProblemKind::RequestBodyError => "Request body could not be read",
+            ProblemKind::RequestTooLarge => "Request body too large for an idempotent request",
+            ProblemKind::KeyMismatch => "Idempotency key reused with a different request",
+            ProblemKind::RequestInFlight => "A request with this idempotency key is in progress",
+            ProblemKind::ResponseNotReplayable => "Original response too large to replay",
+            ProblemKind::OutcomeUnknown => "Outcome of the original request is unknown",
+            ProblemKind::UpstreamUnreachable => "Upstream unreachable",
+            ProblemKind::UpstreamTimeout => "Upstream timed out",
+            ProblemKind::StoreUnavailable => "Idempotency store unavailable",
+            ProblemKind::Internal => "Internal gateway error",
+        }
+    }
+
+    /// The default status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ProblemKind::InvalidKey | ProblemKind::MissingKey | ProblemKind::RequestBodyError => {
+                StatusCode::BAD_REQUEST
+            }
+            ProblemKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            ProblemKind::RequestInFlight | ProblemKind::ResponseNotReplayable => {
+                StatusCode::CONFLICT
+            }
+            ProblemKind::OutcomeUnknown | ProblemKind::UpstreamUnreachable => {
+                StatusCode::BAD_GATEWAY
+            }
+            ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// One problem response, ready to render.
+#[derive(Clone, Debug)]
+pub struct Problem {
+    kind: ProblemKind,
+    status: StatusCode,
+    detail: Cow<'static, str>,
+    retry_after: Option<Duration>,
+}
+
+impl Problem {
+    fn new(kind: ProblemKind, detail: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            status: kind.status(),
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// `400 invalid-key`, with why.
+    pub fn invalid_key(why: crate::key::KeyError) -> Self {
+        Self::new(ProblemKind::InvalidKey, why.to_string())
+    }
+
+    /// `400 missing-key`.
+    pub fn missing_key(source: &crate::policy::KeySource) -> Self {
+        let detail = match source {
+            crate::policy::KeySource::Header(name) => {
+                format!("this route requires an idempotency key in the {name} header")
+            }
+            crate::policy::KeySource::JsonPointer(p) => {
+                format!("this route requires an idempotency key at {p} in a JSON body")
+            }
+        };
+        Self::new(ProblemKind::MissingKey, detail)
+    }
+
+    /// `400 request-body-error`.
+    pub fn request_body_error() -> Self {
+        Self::new(
+            ProblemKind::RequestBodyError,
+            "the request body ended with an error before it was complete; nothing was forwarded",
+        )
+    }
+
+    /// `413 request-too-large`.
+    pub fn request_too_large(limit: usize) -> Self {
+        Self::new(
+            ProblemKind::RequestTooLarge,
+            format!(
+                "an idempotent request body may be at most {limit} bytes; nothing was forwarded"
+            ),
+        )
+    }
+
+    /// `422 key-mismatch`, or the route's configured status.
+    pub fn key_mismatch(status: StatusCode) -> Self {
+        let mut p = Self::new(
+            ProblemKind::KeyMismatch,
+            "this idempotency key was already used with a different method, path, body or \
+             fingerprinted header; use a new key for a new request",
+        );
+        p.status = status;
+        p
+    }
+
+    /// `409 request-in-flight` with `Retry-After`.
+    pub fn request_in_flight(retry_after: Duration) -> Self {
+        let mut p = Self::new(
+            ProblemKind::RequestInFlight,
+            "the first request with this idempotency key is still running; retry later to get its response",
+        );
+        p.retry_after = Some(retry_after);
+        p
+    }
+
+    /// `409 response-not-replayable`.
+    pub fn response_not_replayable(status: StatusCode, body_len: u64) -> Self {
+        Self::new(
+            ProblemKind::ResponseNotReplayable,
+            format!(
+                "the request already ran and was answered {} with a {body_len}-byte body, larger \
+                 than the gateway keeps; it will not run again",
+                status.as_u16()
+            ),
+        )
+    }
+
+    /// `502 outcome-unknown`.
+    pub fn outcome_unknown() -> Self {
+        Self::new(
+            ProblemKind::OutcomeUnknown,
+            "this request was sent upstream before and no answer was captured, so it may or may \
+             not have taken effect; it will not run again until an operator resolves the key or \
+             it expires",
+        )
+    }
+
+    /// `502 outcome-unknown` for a response that broke off mid-body.
+    pub fn response_interrupted() -> Self {
+        Self::new(
+            ProblemKind::OutcomeUnknown,
+            "the upstream's response broke off before it was complete, so the outcome is unknown",
+        )
+    }
+
+    /// `502 upstream-unreachable`: nothing was sent.
+    pub fn upstream_unreachable() -> Self {
+        Self::new(
+            ProblemKind::UpstreamUnreachable,
+            "the upstream could not be reached; the request was not sent and may be retried",
+        )
+    }
+
+    /// `504 upstream-timeout`.
+    pub fn upstream_timeout(after: Duration) -> Self {
+        Self::new(
+            ProblemKind::UpstreamTimeout,
+            format!(
+                "the upstream did not answer within {} ms; the request may have taken effect",
+                after.as_millis()
+            ),
+        )
+    }
+
+    /// `503 store-unavailable` with `Retry-After`.
+    pub fn store_unavailable(retry_after: Duration) -> Self {
+        let mut p = Self::new(
+            ProblemKind::StoreUnavailable,
+            "the idempotency store is unavailable; the request was not forwarded",
+        );
+        p.retry_after = Some(retry_after);
+        p
+    }
+
+    /// `500 internal-error`.
+    pub fn internal() -> Self {
+        Self::new(
+            ProblemKind::Internal,
+            "the gateway's task for this request ended without an answer",
+        )
+    }
+
+    /// The problem's kind.
+    pub fn kind(&self) -> ProblemKind {
+        self.kind
+    }
+
+    /// The status it answers with.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Renders the problem as `application/problem+json`.
+    pub fn into_response(self) -> Response<Bytes> {
+        let body = serde_json::json!({
+            "type": format!("urn:idemgate:problem:{}", self.kind.slug()),
+            "title": self.kind.title(),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        // Serialising a `Value` of plain strings and numbers cannot fail.
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = self.status;
+        response.headers_mut().insert(CONTENT_TYPE, PROBLEM_JSON);
+        if let Some(after) = self.retry_after {
+            // Retry-After counts whole seconds; round up so a client never comes back early.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        response
+    }
+}
+
+/// A replay of a stored response: its status, headers and body, plus
+/// `Idempotent-Replayed: true`.
+pub fn replay(stored: &StoredResponse) -> Response<Bytes> {
+    let mut response = Response::new(stored.body.clone());
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    headers.reserve(stored.headers.len() + 1);
+    headers.extend(stored.headers.iter().map(|(n, v)| (n.clone(), v.clone())));
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+/// What the layer decided about a request. Found on every response the layer returns, inside
+/// [`Outcome`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Decision {
+    /// The request was not one the route handles (method or no key); it streamed through.
+    PassedThrough,
+    /// The request ran upstream under a fresh claim.
+    Executed,
+    /// The stored response was replayed; the upstream was not called.
+    Replayed,
+    /// The same request was in flight: `409` (or it still was after waiting).
+    InFlight,
+    /// The key was used with a different request.
+    Mismatch,
+    /// The earlier attempt's outcome is unknown.
+    OutcomeUnknown,
+    /// The request ran before but its response was too large to keep.
+    NotReplayable,
+    /// The key was malformed.
+    InvalidKey,
+    /// The route requires a key and none was sent.
+    MissingKey,
+    /// The request body was over the limit or could not be read.
+    RequestRejected,
+    /// The store failed and the request was refused (`on_store_error = "reject"`).
+    StoreUnavailable,
+    /// The store failed and the request was forwarded without protection
+    /// (`on_store_error = "pass"`).
+    Unprotected,
+}
+
+impl Decision {
+    /// A snake_case label for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::PassedThrough => "passed_through",
+            Decision::Executed => "executed",
+            Decision::Replayed => "replayed",
+            Decision::InFlight => "in_flight",
+            Decision::Mismatch => "mismatch",
+            Decision::OutcomeUnknown => "outcome_unknown",
+            Decision::NotReplayable => "not_replayable",
+            Decision::InvalidKey => "invalid_key",
+            Decision::MissingKey => "missing_key",
+            Decision::RequestRejected => "request_rejected",
+            Decision::StoreUnavailable => "store_unavailable",
+            Decision::Unprotected => "unprotected",
+        }
+    }
+}
+
+/// The response extension the layer adds to every response: what it decided, on which route,
+/// for which record.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// What was decided.
+    pub decision: Decision,
+    /// The route's name.
+    pub route: Arc<str>,
+    /// The record key, when the request had a key (log its [`Hash256::short`], never the raw
+    /// key).
+    pub record: Option<Hash256>,
+}
+
+/// Set by the inner service (the proxy's forwarder) on a response it made up because the
+/// upstream failed, so the layer knows what happened to the record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpstreamFailure {
+    /// Nothing reached the upstream (connection refused, unreachable): the key is released.
+    NotSent,
+    /// The request was sent and no answer came (timeout, reset): the route's
+    /// `unknown_outcome` applies.
+    Unknown,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(r: &Response<Bytes>) -> serde_json::Value {
+        serde_json::from_slice(r.body()).unwrap()
+    }
+
+    #[test]
+    fn problems_are_rfc9457_json() {
+        let r = Problem::request_in_flight(Duration::from_millis(1500)).into_response();
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
+        assert_eq!(r.headers()[RETRY_AFTER], "2");
+        let body = parse(&r);
+        assert_eq!(body["type"], "urn:idemgate:problem:request-in-flight");
+        assert_eq!(body["status"], 409);
+        assert!(body["title"].is_string() && body["detail"].is_string());
+    }
+
+    #[test]
+    fn mismatch_status_is_configurable() {
+        let r = Problem::key_mismatch(StatusCode::CONFLICT).into_response();
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(parse(&r)["status"], 409);
+    }
+
+    #[test]
+    fn replay_marks_and_keeps_repeated_headers() {
+        let mut headers = http::HeaderMap::new();
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append("x-a", HeaderValue::from_static("2"));
+        let stored = StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"hi"),
+        };
+        let r = replay(&stored);
+        assert_eq!(r.status(), StatusCode::CREATED);
+        assert_eq!(r.headers()[IDEMPOTENT_REPLAYED], "true");
+        assert_eq!(
+            r.headers().get_all("x-a").iter().collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+        assert_eq!(r.body().as_ref(), b"hi");
+    }
+}

@@ -1,0 +1,618 @@
+//! [`IdempotencyService`]: the middleware that decides, for each request, whether to pass it
+//! through, run it under a claim, or answer it from the store.
+
+use std::mem;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, header};
+use http_body::Body;
+use http_body_util::BodyExt;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, oneshot};
+use tower_service::Service;
+
+use crate::body::{Capped, RequestBody, ResponseBody, read_capped};
+use crate::fingerprint;
+use crate::future::ResponseFuture;
+use crate::key;
+use crate::layer::{Route, Shared};
+use crate::policy::{Concurrent, KeySource, OnStoreError, UnknownOutcome};
+use crate::record::{Completion, FingerprintHash, Hash256, OwnerToken, RecordKey, StoredResponse};
+use crate::response::{Decision, IDEMPOTENT_REPLAYED, Outcome, Problem, UpstreamFailure, replay};
+use crate::store::{BoxError, Claim, ClaimOptions, StoreError, Transition};
+
+/// How soon a client told `409` should try again.
+const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Polling bounds while a `concurrent = "wait"` request waits for the first one.
+const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
+const WAIT_POLL_MAX: Duration = Duration::from_millis(200);
+/// Frames of an over-limit response buffered between the upstream and a slow client.
+const RELAY_FRAMES: usize = 8;
+
+/// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer).
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for IdempotencyService<S>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB::Error: Into<BoxError> + Send,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
+        // Call the service that was polled ready; leave its clone behind for the next call.
+        let clone = self.inner.clone();
+        let mut inner = mem::replace(&mut self.inner, clone);
+        // Only idemgate says whether a response is a replay.
+        req.headers_mut().remove(IDEMPOTENT_REPLAYED);
+
+        let route = self.shared.route_for(req.uri().path()).clone();
+        let policy = &route.policy;
+        if !policy.methods.contains(req.method()) {
+            return pass_through(&mut inner, req, route);
+        }
+        let header_key = match &policy.key {
+            KeySource::Header(name) => match key::from_header(req.headers(), name) {
+                Ok(Some(key)) => Some(key),
+                Ok(None) if policy.require_key => {
+                    let problem = Problem::missing_key(&policy.key);
+                    return ResponseFuture::ready(answer(
+                        problem,
+                        Decision::MissingKey,
+                        &route,
+                        None,
+                    ));
+                }
+                Ok(None) => return pass_through(&mut inner, req, route),
+                Err(why) => {
+                    let problem = Problem::invalid_key(why);
+                    return ResponseFuture::ready(answer(
+                        problem,
+                        Decision::InvalidKey,
+                        &route,
+                        None,
+                    ));
+                }
+            },
+            KeySource::JsonPointer(_) => None,
+        };
+        let shared = self.shared.clone();
+        ResponseFuture::boxed(Box::pin(handle_keyed(
+            shared, route, inner, req, header_key,
+        )))
+    }
+}
+
+fn pass_through<S, ReqB, ResB>(
+    inner: &mut S,
+    req: Request<ReqB>,
+    route: Arc<Route>,
+) -> ResponseFuture<S::Future, ResB, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+{
+    ResponseFuture::pass_through(
+        inner.call(req.map(RequestBody::streaming)),
+        route.name.clone(),
+    )
+}
+
+/// A response made here (problem or replay), tagged with what was decided.
+fn answer<B>(
+    problem: Problem,
+    decision: Decision,
+    route: &Route,
+    record: Option<Hash256>,
+) -> Response<ResponseBody<B>> {
+    tag(
+        problem.into_response().map(ResponseBody::full),
+        decision,
+        route,
+        record,
+    )
+}
+
+fn tag<B>(
+    mut response: Response<B>,
+    decision: Decision,
+    route: &Route,
+    record: Option<Hash256>,
+) -> Response<B> {
+    response.extensions_mut().insert(Outcome {
+        decision,
+        route: route.name.clone(),
+        record,
+    });
+    response
+}
+
+/// Reads a keyed request's body, finds its key, and hands the rest to a task of its own.
+async fn handle_keyed<S, ReqB, ResB>(
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+    mut inner: S,
+    req: Request<ReqB>,
+    header_key: Option<String>,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB::Error: Into<BoxError> + Send,
+{
+    let policy = &route.policy;
+    let (parts, body) = req.into_parts();
+    let body = match read_capped(body, policy.max_request_bytes).await {
+        Ok(body) => body,
+        Err(Capped::Over { .. }) => {
+            let problem = Problem::request_too_large(policy.max_request_bytes);
+            return Ok(answer(problem, Decision::RequestRejected, &route, None));
+        }
+        Err(Capped::Failed(_)) => {
+            let problem = Problem::request_body_error();
+            return Ok(answer(problem, Decision::RequestRejected, &route, None));
+        }
+    };
+    let key = match (header_key, &policy.key) {
+        (Some(key), _) => key,
+        (None, KeySource::JsonPointer(pointer)) => match key::from_json_body(&body, pointer) {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.require_key => {
+                let problem = Problem::missing_key(&policy.key);
+                return Ok(answer(problem, Decision::MissingKey, &route, None));
+            }
+            Ok(None) => {
+                let req = Request::from_parts(parts, RequestBody::buffered(body));
+                let response = inner.call(req).await?;
+                return Ok(tag(
+                    without_owned_headers(response).map(ResponseBody::inner),
+                    Decision::PassedThrough,
+                    &route,
+                    None,
+                ));
+            }
+            Err(why) => {
+                return Ok(answer(
+                    Problem::invalid_key(why),
+                    Decision::InvalidKey,
+                    &route,
+                    None,
+                ));
+            }
+        },
+        // A header key source always yields a key or an early answer in `call`.
+        (None, KeySource::Header(_)) => {
+            return Ok(answer(
+                Problem::internal(),
+                Decision::RequestRejected,
+                &route,
+                None,
+            ));
+        }
+    };
+    let record = fingerprint::record_key(&route.name, &policy.scope_headers, &parts.headers, &key);
+    let fingerprint = fingerprint::fingerprint(
+        &parts.method,
+        &parts.uri,
+        &parts.headers,
+        &policy.fingerprint_headers,
+        &body,
+    );
+    let req = Request::from_parts(parts, RequestBody::buffered(body));
+
+    // From the claim on, the work must not depend on the caller staying: a client that hangs
+    // up must not cancel an upstream call half-way, nor leave a claim behind that never ran.
+    let (tx, rx) = oneshot::channel();
+    let keyed = Keyed {
+        shared,
+        route: route.clone(),
+        record,
+        fingerprint,
+    };
+    tokio::spawn(keyed.run(inner, req, tx));
+    match rx.await {
+        Ok(answer) => answer,
+        Err(_) => Ok(answer(
+            Problem::internal(),
+            Decision::Executed,
+            &route,
+            Some(record),
+        )),
+    }
+}
+
+/// The life of one keyed request after its key and fingerprint are known.
+struct Keyed {
+    shared: Arc<Shared>,
+    route: Arc<Route>,
+    record: RecordKey,
+    fingerprint: FingerprintHash,
+}
+
+/// Where a keyed request's answer goes. Sending to a caller that hung up is not an error.
+type Reply<B, E> = oneshot::Sender<Answer<B, E>>;
+
+impl Keyed {
+    async fn run<S, ReqB, ResB>(
+        self,
+        inner: S,
+        req: Request<RequestBody<ReqB>>,
+        reply: Reply<ResB, S::Error>,
+    ) where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
+        let policy = &self.route.policy;
+        let options = ClaimOptions {
+            lease: policy.lease,
+            ttl: policy.ttl,
+            on_lapse: policy.unknown_outcome,
+        };
+        let wait_until = match policy.concurrent {
+            Concurrent::Wait(limit) => Some(tokio::time::Instant::now() + limit),
+            Concurrent::Reject => None,
+        };
+        let mut poll = WAIT_POLL_MIN;
+        let claim = loop {
+            let claim = self
+                .store_call(
+                    self.shared
+                        .store
+                        .claim(&self.record, &self.fingerprint, &options),
+                )
+                .await;
+            match claim {
+                Ok(Claim::InFlight { .. })
+                    if wait_until.is_some_and(|end| tokio::time::Instant::now() + poll < end) =>
+                {
+                    tokio::time::sleep(poll).await;
+                    poll = (poll * 2).min(WAIT_POLL_MAX);
+                }
+                other => break other,
+            }
+        };
+        let answer = match claim {
+            Ok(Claim::Acquired(token)) => return self.execute(inner, req, token, reply).await,
+            Ok(Claim::Completed(completion)) => match &*completion {
+                Completion::Response(stored) => self.made(replay(stored), Decision::Replayed),
+                Completion::TooLarge {
+                    status, body_len, ..
+                } => self.problem(
+                    Problem::response_not_replayable(*status, *body_len),
+                    Decision::NotReplayable,
+                ),
+            },
+            Ok(Claim::InFlight { .. }) => self.problem(
+                Problem::request_in_flight(IN_FLIGHT_RETRY_AFTER),
+                Decision::InFlight,
+            ),
+            Ok(Claim::Ambiguous) => {
+                self.problem(Problem::outcome_unknown(), Decision::OutcomeUnknown)
+            }
+            Ok(Claim::Mismatch) => self.problem(
+                Problem::key_mismatch(policy.mismatch_status),
+                Decision::Mismatch,
+            ),
+            Err(error) => match self.shared.on_store_error {
+                OnStoreError::Reject => {
+                    tracing::warn!(record = %self.record.short(), %error, "store failed; request refused");
+                    self.problem(
+                        Problem::store_unavailable(self.shared.store_timeout),
+                        Decision::StoreUnavailable,
+                    )
+                }
+                OnStoreError::Pass => {
+                    self.shared.stats.count_unprotected();
+                    tracing::warn!(record = %self.record.short(), %error, "store failed; request forwarded without protection");
+                    let answer = call(inner, req).await.map(|response| {
+                        self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
+                    });
+                    let _ = reply.send(answer);
+                    return;
+                }
+            },
+        };
+        let _ = reply.send(Ok(answer));
+    }
+
+    /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
+    /// and answers the caller.
+    async fn execute<S, ReqB, ResB>(
+        &self,
+        inner: S,
+        req: Request<RequestBody<ReqB>>,
+        token: OwnerToken,
+        reply: Reply<ResB, S::Error>,
+    ) where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
+        let _in_flight = self.shared.stats.enter();
+        let _renewal = self.keep_lease(token);
+        let policy = &self.route.policy;
+
+        let response = match call(inner, req).await {
+            Ok(response) => without_owned_headers(response),
+            Err(error) => {
+                self.outcome_unknown(token).await;
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
+        match response.extensions().get::<UpstreamFailure>() {
+            Some(UpstreamFailure::NotSent) => {
+                self.release(token).await;
+                let _ = reply.send(Ok(
+                    self.tag(response.map(ResponseBody::inner), Decision::Executed)
+                ));
+                return;
+            }
+            Some(UpstreamFailure::Unknown) => {
+                self.outcome_unknown(token).await;
+                let _ = reply.send(Ok(
+                    self.tag(response.map(ResponseBody::inner), Decision::Executed)
+                ));
+                return;
+            }
+            None => {}
+        }
+        if !policy.store_statuses.contains(response.status()) {
+            // Not kept, so nothing to buffer: release first so the retry may run, then stream.
+            self.release(token).await;
+            let _ = reply.send(Ok(
+                self.tag(response.map(ResponseBody::inner), Decision::Executed)
+            ));
+            return;
+        }
+
+        let (parts, body) = response.into_parts();
+        match read_capped(body, policy.max_response_bytes).await {
+            Ok(body) => {
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers: self.storable(&parts.headers),
+                    body: body.clone(),
+                };
+                self.complete(token, Completion::Response(stored)).await;
+                let response = Response::from_parts(parts, ResponseBody::full(body));
+                let _ = reply.send(Ok(self.tag(response, Decision::Executed)));
+            }
+            Err(Capped::Failed(error)) => {
+                let error: BoxError = error.into();
+                tracing::warn!(record = %self.record.short(), %error, "upstream response broke off");
+                self.outcome_unknown(token).await;
+                let answer =
+                    self.problem(Problem::response_interrupted(), Decision::OutcomeUnknown);
+                let _ = reply.send(Ok(answer));
+            }
+            Err(Capped::Over { head, rest }) => {
+                self.relay_too_large(token, parts, head, rest, reply).await;
+            }
+        }
+    }
+
+    /// Delivers a response over `max_response_bytes` whole while keeping only its status and
+    /// digest, so a retry is told it ran rather than running it again.
+    async fn relay_too_large<ResB, E>(
+        &self,
+        token: OwnerToken,
+        parts: http::response::Parts,
+        head: Bytes,
+        mut rest: ResB,
+        reply: Reply<ResB, E>,
+    ) where
+        ResB: Body<Data = Bytes> + Unpin,
+        ResB::Error: Into<BoxError> + Send,
+    {
+        let status = parts.status;
+        let mut digest = Sha256::new();
+        digest.update(&head);
+        let mut len = head.len() as u64;
+        let (tx, rx) = mpsc::channel(RELAY_FRAMES);
+        let response = Response::from_parts(parts, ResponseBody::relayed(head, rx));
+        let _ = reply.send(Ok(self.tag(response, Decision::Executed)));
+        // A client that hung up stops receiving, but the body is still read to its end so the
+        // record can be completed.
+        let mut client = Some(tx);
+        while let Some(frame) = rest.frame().await {
+            match frame {
+                Ok(frame) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    digest.update(&data);
+                    len += data.len() as u64;
+                    if let Some(tx) = &client
+                        && tx.send(Ok(data)).await.is_err()
+                    {
+                        client = None;
+                    }
+                }
+                Err(error) => {
+                    let error: BoxError = error.into();
+                    tracing::warn!(record = %self.record.short(), %error, "upstream response broke off");
+                    if let Some(tx) = client {
+                        let _ = tx.send(Err(error)).await;
+                    }
+                    self.outcome_unknown(token).await;
+                    return;
+                }
+            }
+        }
+        let completion = Completion::TooLarge {
+            status,
+            body_digest: Hash256(digest.finalize().into()),
+            body_len: len,
+        };
+        self.complete(token, completion).await;
+    }
+
+    /// Renews the lease at a third of its length until the returned guard drops.
+    fn keep_lease(&self, token: OwnerToken) -> AbortOnDrop {
+        let store = self.shared.store.clone();
+        let record = self.record;
+        let lease = self.route.policy.lease;
+        let timeout = self.shared.store_timeout;
+        let stats = self.shared.stats.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let period = lease / 3;
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            loop {
+                ticks.tick().await;
+                match tokio::time::timeout(timeout, store.renew(&record, token, lease)).await {
+                    Ok(Ok(Transition::Applied)) => {}
+                    Ok(Ok(Transition::Fenced)) => {
+                        tracing::warn!(record = %record.short(), "lease lost to another owner while the request ran");
+                        return;
+                    }
+                    Ok(Err(error)) => {
+                        stats.count_store_error();
+                        tracing::warn!(record = %record.short(), %error, "lease renewal failed");
+                    }
+                    Err(_) => {
+                        stats.count_store_error();
+                        tracing::warn!(record = %record.short(), "lease renewal timed out");
+                    }
+                }
+            }
+        }))
+    }
+
+    async fn complete(&self, token: OwnerToken, completion: Completion) {
+        let ttl = self.route.policy.ttl;
+        let result = self
+            .store_call(
+                self.shared
+                    .store
+                    .complete(&self.record, token, completion, ttl),
+            )
+            .await;
+        self.after_transition("complete", result);
+    }
+
+    async fn release(&self, token: OwnerToken) {
+        let result = self
+            .store_call(self.shared.store.release(&self.record, token))
+            .await;
+        self.after_transition("release", result);
+    }
+
+    /// Applies the route's `unknown_outcome` to the caller's record.
+    async fn outcome_unknown(&self, token: OwnerToken) {
+        match self.route.policy.unknown_outcome {
+            UnknownOutcome::Ambiguous => {
+                let ttl = self.route.policy.ttl;
+                let result = self
+                    .store_call(self.shared.store.mark_ambiguous(&self.record, token, ttl))
+                    .await;
+                self.after_transition("mark ambiguous", result);
+            }
+            UnknownOutcome::Retry => self.release(token).await,
+        }
+    }
+
+    fn after_transition(&self, what: &'static str, result: Result<Transition, StoreError>) {
+        match result {
+            Ok(Transition::Applied) => {}
+            Ok(Transition::Fenced) => {
+                self.shared.stats.count_fenced();
+                tracing::warn!(record = %self.record.short(), "{what} refused: the record has a newer owner");
+            }
+            // The record stays in flight; its lease lapses into the route's unknown outcome.
+            Err(error) => tracing::error!(record = %self.record.short(), %error, "{what} failed"),
+        }
+    }
+
+    /// Runs a store call under the store timeout, counting failures.
+    async fn store_call<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let result = match tokio::time::timeout(self.shared.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout {
+                backend: self.shared.store.backend(),
+                after: self.shared.store_timeout,
+            }),
+        };
+        if result.is_err() {
+            self.shared.stats.count_store_error();
+        }
+        result
+    }
+
+    /// The headers kept for replay: end-to-end ones only, and no `Set-Cookie` unless the route
+    /// says so (one client's session must not be handed to another replaying the key).
+    fn storable(&self, headers: &HeaderMap) -> HeaderMap {
+        let mut kept = headers.clone();
+        crate::headers::strip_hop_by_hop(&mut kept);
+        if !self.route.policy.store_set_cookie {
+            kept.remove(header::SET_COOKIE);
+        }
+        kept
+    }
+
+    fn tag<B>(&self, response: Response<B>, decision: Decision) -> Response<B> {
+        tag(response, decision, &self.route, Some(self.record))
+    }
+
+    fn made<B>(&self, response: Response<Bytes>, decision: Decision) -> Response<ResponseBody<B>> {
+        self.tag(response.map(ResponseBody::full), decision)
+    }
+
+    fn problem<B>(&self, problem: Problem, decision: Decision) -> Response<ResponseBody<B>> {
+        answer(problem, decision, &self.route, Some(self.record))
+    }
+}
+
+/// Calls a service that was already polled ready by the caller of the middleware.
+async fn call<S, R>(mut inner: S, req: R) -> Result<S::Response, S::Error>
+where
+    S: Service<R>,
+{
+    inner.call(req).await
+}
+
+/// Removes the headers only idemgate may set from an inner service's response.
+pub(crate) fn without_owned_headers<B>(mut response: Response<B>) -> Response<B> {
+    response.headers_mut().remove(IDEMPOTENT_REPLAYED);
+    response
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -15,7 +15,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
@@ -245,8 +244,8 @@ async fn accept_loop<S, B>(
     limits: Limits,
     stop: watch::Receiver<bool>,
 ) where
-    Front<S>: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
-    <Front<S> as Service<Request<Incoming>>>::Future: Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -286,14 +285,14 @@ async fn serve_connection<S, B>(
     limits: Limits,
     mut stop: watch::Receiver<bool>,
 ) where
-    Front<S>: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
-    <Front<S> as Service<Request<Incoming>>>::Future: Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::new(Activity::new());
     let io = TokioIo::new(ActivityIo { inner: stream, activity: Arc::clone(&activity) });
-    let conn = builder.serve_connection(io, TowerToHyperService::new(front));
+    let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);
     let mut closing = false;
     if *stop.borrow_and_update() {
@@ -423,7 +422,7 @@ pub struct Front<S> {
     metrics: Arc<Metrics>,
 }
 
-impl<S, B> Service<Request<Incoming>> for Front<S>
+impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
 where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
@@ -433,26 +432,19 @@ where
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         req.extensions_mut().insert(ClientAddr(self.peer));
         let method = req.method().clone();
         let path: String = req.uri().path().chars().take(200).collect();
         let started = Instant::now();
-        // Call the service that was polled ready and leave a fresh clone in its place.
-        let clone = self.inner.clone();
-        let mut ready = std::mem::replace(&mut self.inner, clone);
-        let future = ready.call(req);
+        let mut inner = self.inner.clone();
         let metrics = Arc::clone(&self.metrics);
         let peer = self.peer;
         Box::pin(async move {
-            let result = future.await;
-            let Ok(response) = &result;
-            log_request(&metrics, response, &method, &path, peer, started.elapsed());
-            result
+            std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+            let Ok(response) = inner.call(req).await;
+            log_request(&metrics, &response, &method, &path, peer, started.elapsed());
+            Ok(response)
         })
     }
 }

@@ -46,6 +46,8 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_HEADERS: usize = 100;
 /// Default cap on a request's header block in bytes (HTTP/1.1 read buffer; HTTP/2 header list).
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Largest accepted `max_connections`.
+pub const MAX_MAX_CONNECTIONS: usize = 1_000_000;
 /// Smallest accepted `max_header_bytes` (hyper's floor for its read buffer).
 pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
 
@@ -655,8 +657,11 @@ impl FileConfig {
 impl LimitsFile {
     fn validate(self) -> Result<Limits, ConfigError> {
         let max_connections = self.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
-        if max_connections == 0 {
-            return Err(ConfigError::invalid("limits.max_connections", "must be at least 1"));
+        if !(1..=MAX_MAX_CONNECTIONS).contains(&max_connections) {
+            return Err(ConfigError::invalid(
+                "limits.max_connections",
+                format!("{max_connections} is out of range; expected 1 to {MAX_MAX_CONNECTIONS}"),
+            ));
         }
         let max_headers = self.max_headers.unwrap_or(DEFAULT_MAX_HEADERS);
         if max_headers == 0 {
@@ -1106,6 +1111,31 @@ mod tests {
             field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nname = \"x\"\n[[routes]]\nprefix = \"/a\"\nname = \"y\"")),
             "routes[1].prefix"
         );
+    }
+
+    #[test]
+    fn sample_configs_load_and_validate() {
+        let s = parse(include_str!("../../config/idemgate.toml")).unwrap();
+        assert_eq!(s.routes.len(), 2);
+        let pay = s.route_by_name("payments").unwrap();
+        assert!(pay.require_key);
+        assert_eq!(pay.concurrent, Concurrent::Wait(Duration::from_secs(10)));
+        assert_eq!(s.route_by_name("orders").unwrap().mismatch_status, StatusCode::CONFLICT);
+
+        let s = parse(include_str!("../../config/webhooks.toml")).unwrap();
+        let by_name = |n: &str| s.route_by_name(n).unwrap_or_else(|| panic!("route {n}"));
+        let header = |n: &'static str| KeySource::Header(HeaderName::from_static(n));
+        assert_eq!(by_name("github").key, header("x-github-delivery"));
+        assert_eq!(by_name("stripe").key, KeySource::JsonPointer("/id".into()));
+        assert_eq!(by_name("shopify").key, header("x-shopify-webhook-id"));
+        assert_eq!(by_name("standard-webhooks").key, header("webhook-id"));
+        for route in &s.routes {
+            let p = &route.policy;
+            assert_eq!(p.unknown_outcome, UnknownOutcome::Retry, "{} is a webhook route", p.route_name());
+            assert_eq!(p.store_statuses, Preset::Webhook.store_statuses());
+            assert_eq!(p.ttl, Duration::from_secs(72 * 3600));
+            assert!(p.require_key && p.scope_headers.is_empty());
+        }
     }
 
     #[test]

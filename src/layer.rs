@@ -165,7 +165,7 @@ impl IdempotencyLayer {
         let prefix = prefix.into();
         shared.routes.retain(|(p, _)| *p != prefix);
         shared.routes.push((prefix, Route::new(policy)));
-        shared.routes.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        shared.routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         self
     }
 

@@ -38,4 +38,4 @@ pub use layer::{DEFAULT_STORE_TIMEOUT, IdempotencyLayer, LayerStats};
 pub use policy::{OnStoreError, RoutePolicy};
 pub use response::{Decision, Outcome};
 pub use service::IdempotencyService;
-pub use store::Store;
+pub use store::{MemoryStore, Store};

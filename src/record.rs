@@ -180,6 +180,14 @@ pub fn from_unix_millis(ms: u64) -> SystemTime {
 #[error("undecodable record: {0}")]
 pub struct DecodeError(&'static str);
 
+impl DecodeError {
+    /// An error saying what was wrong, for stores that check their own framing around the
+    /// encoded completion.
+    pub fn new(what: &'static str) -> Self {
+        Self(what)
+    }
+}
+
 const FORMAT_VERSION: u8 = 1;
 const TAG_RESPONSE: u8 = 1;
 const TAG_TOO_LARGE: u8 = 2;

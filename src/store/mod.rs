@@ -11,6 +11,15 @@ use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
+pub mod conformance;
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+
+#[cfg(feature = "redis")]
+pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
+pub use memory::{MemoryStore, MemoryStoreConfig};
+
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 

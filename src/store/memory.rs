@@ -1,0 +1,775 @@
+//! [`MemoryStore`]: records in this process's memory, for a single gateway and for tests.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use async_trait::async_trait;
+
+use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
+
+/// Most expired records removed under one shard lock by the background sweep, so no lock is
+/// held long.
+const SWEEP_BATCH: usize = 1024;
+/// Expired records every call removes from the shard it touches, so a store without a
+/// background sweeper (made outside a runtime) still reclaims its space.
+const INLINE_SWEEP: usize = 4;
+
+/// How a [`MemoryStore`] is sized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryStoreConfig {
+    /// Most records held at once. A claim that would need a new record beyond it fails with
+    /// [`StoreError::AtCapacity`]; live records are never evicted to make room.
+    pub capacity: usize,
+    /// Number of shards, each with its own lock. Rounded up to at least one.
+    pub shards: usize,
+    /// Pause between two background sweeps of expired records.
+    pub sweep_interval: Duration,
+}
+
+impl MemoryStoreConfig {
+    /// Default most records held at once (live, or expired and not yet swept).
+    pub const DEFAULT_CAPACITY: usize = 1_000_000;
+    /// Default number of independently locked shards.
+    pub const DEFAULT_SHARDS: usize = 64;
+    /// Default pause between two background sweeps of expired records.
+    pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+}
+
+impl Default for MemoryStoreConfig {
+    fn default() -> Self {
+        Self {
+            capacity: Self::DEFAULT_CAPACITY,
+            shards: Self::DEFAULT_SHARDS,
+            sweep_interval: Self::DEFAULT_SWEEP_INTERVAL,
+        }
+    }
+}
+
+/// Records kept in this process's memory.
+///
+/// Fast and simple, but records die with the process and are not shared between gateways:
+/// use it for one gateway that can afford to forget its records on restart, and in tests.
+///
+/// The records are spread over shards by key, each behind its own lock held only for a map
+/// operation (never across an `.await`). Deadlines use the monotonic clock. Expired records
+/// are never returned; a background task, started when the store is made inside a Tokio
+/// runtime and stopped when the store is dropped, removes them in small batches, and every
+/// call also removes a few from the shard it touches. `Clone` shares the records.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("len", &self.len())
+            .field("capacity", &self.inner.capacity)
+            .field("shards", &self.inner.shards.len())
+            .finish()
+    }
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    /// Records held in all shards, expired ones included until removed.
+    len: AtomicUsize,
+    capacity: usize,
+    anchor: Anchor,
+}
+
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<RecordKey, Entry>,
+    /// Every entry's expiry, so expired entries are found without a scan.
+    expiries: BTreeSet<(Instant, RecordKey)>,
+}
+
+struct Entry {
+    fingerprint: FingerprintHash,
+    expires: Instant,
+    state: State,
+}
+
+enum State {
+    InFlight {
+        token: OwnerToken,
+        lease_deadline: Instant,
+    },
+    Completed {
+        completion: Arc<Completion>,
+        stored_at: SystemTime,
+    },
+    Ambiguous {
+        since: SystemTime,
+    },
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// A store with the default capacity, shards and sweep interval.
+    pub fn new() -> Self {
+        Self::with_config(MemoryStoreConfig::default())
+    }
+
+    /// A store sized by `config`.
+    pub fn with_config(config: MemoryStoreConfig) -> Self {
+        let shards = (0..config.shards.max(1))
+            .map(|_| Mutex::new(Shard::default()))
+            .collect();
+        let inner = Arc::new(Inner {
+            shards,
+            len: AtomicUsize::new(0),
+            capacity: config.capacity,
+            anchor: Anchor::now(),
+        });
+        spawn_sweeper(Arc::downgrade(&inner), config.sweep_interval);
+        Self { inner }
+    }
+
+    /// Records held now, including expired ones not yet removed.
+    pub fn len(&self) -> usize {
+        self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no record is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes every expired record now, shard by shard in bounded batches; returns how many.
+    pub fn sweep(&self) -> usize {
+        (0..self.inner.shards.len())
+            .map(|i| self.inner.sweep_shard(i))
+            .sum()
+    }
+}
+
+/// Starts the background sweep on the current Tokio runtime, if there is one. It holds only a
+/// weak reference, so it ends once the last handle to the store is dropped.
+fn spawn_sweeper(inner: Weak<Inner>, interval: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let interval = interval.max(Duration::from_millis(1));
+    runtime.spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            let shards = match inner.upgrade() {
+                Some(store) => store.shards.len(),
+                None => return,
+            };
+            for i in 0..shards {
+                loop {
+                    let Some(store) = inner.upgrade() else {
+                        return;
+                    };
+                    let removed = store.sweep_batch(i, SWEEP_BATCH);
+                    drop(store);
+                    if removed < SWEEP_BATCH {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+    });
+}
+
+impl Inner {
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
+        let mut prefix = [0u8; 8];
+        prefix.copy_from_slice(&key.0[..8]);
+        let i = (u64::from_le_bytes(prefix) % self.shards.len() as u64) as usize;
+        lock(&self.shards[i])
+    }
+
+    fn sweep_batch(&self, shard: usize, limit: usize) -> usize {
+        let removed = lock(&self.shards[shard]).remove_expired(Instant::now(), limit);
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    fn sweep_shard(&self, shard: usize) -> usize {
+        let mut total = 0;
+        loop {
+            let removed = self.sweep_batch(shard, SWEEP_BATCH);
+            total += removed;
+            if removed < SWEEP_BATCH {
+                return total;
+            }
+        }
+    }
+
+    /// Takes a slot for a new record, if the store is below capacity.
+    fn reserve(&self) -> bool {
+        self.len
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.capacity).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Runs `f` on `key`'s shard after removing a few expired records from it.
+    fn with_shard<T>(&self, key: &RecordKey, f: impl FnOnce(&mut Shard, Instant) -> T) -> T {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        let removed = shard.remove_expired(now, INLINE_SWEEP);
+        let out = f(&mut shard, now);
+        drop(shard);
+        if removed > 0 {
+            self.len.fetch_sub(removed, Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// One attempt at a claim; `None` when it needs a new record and the store is full.
+    fn try_claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Option<Claim> {
+        self.with_shard(key, |shard, now| {
+            let fresh = |now: Instant| {
+                let token = OwnerToken::generate();
+                let entry = Entry {
+                    fingerprint: *fingerprint,
+                    expires: now + options.ttl,
+                    state: State::InFlight {
+                        token,
+                        lease_deadline: now + options.lease,
+                    },
+                };
+                (entry, Claim::Acquired(token))
+            };
+            let Shard { entries, expiries } = shard;
+            match entries.get_mut(key) {
+                Some(entry) if entry.expires > now => {
+                    let same = entry.fingerprint == *fingerprint;
+                    match &entry.state {
+                        State::InFlight { lease_deadline, .. } if *lease_deadline > now => {
+                            Some(if same {
+                                Claim::InFlight {
+                                    lease_remaining: *lease_deadline - now,
+                                }
+                            } else {
+                                Claim::Mismatch
+                            })
+                        }
+                        State::InFlight { .. } => match options.on_lapse {
+                            UnknownOutcome::Retry => {
+                                let (new, claim) = fresh(now);
+                                set_expiry(expiries, key, entry.expires, new.expires);
+                                *entry = new;
+                                Some(claim)
+                            }
+                            UnknownOutcome::Ambiguous => {
+                                let expires = now + options.ttl;
+                                set_expiry(expiries, key, entry.expires, expires);
+                                entry.expires = expires;
+                                entry.state = State::Ambiguous {
+                                    since: SystemTime::now(),
+                                };
+                                Some(if same {
+                                    Claim::Ambiguous
+                                } else {
+                                    Claim::Mismatch
+                                })
+                            }
+                        },
+                        _ if !same => Some(Claim::Mismatch),
+                        State::Completed { completion, .. } => {
+                            Some(Claim::Completed(Arc::clone(completion)))
+                        }
+                        State::Ambiguous { .. } => Some(Claim::Ambiguous),
+                    }
+                }
+                Some(expired) => {
+                    // Reuse the expired record's slot: the count does not change.
+                    let (new, claim) = fresh(now);
+                    set_expiry(expiries, key, expired.expires, new.expires);
+                    *expired = new;
+                    Some(claim)
+                }
+                None => {
+                    if !self.reserve() {
+                        return None;
+                    }
+                    let (new, claim) = fresh(now);
+                    expiries.insert((new.expires, *key));
+                    entries.insert(*key, new);
+                    Some(claim)
+                }
+            }
+        })
+    }
+
+    /// Applies `f` to `key`'s record if it is live and in flight under `token`.
+    fn fenced(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        f: impl FnOnce(&mut Shard, Instant),
+    ) -> Transition {
+        self.with_shard(key, |shard, now| {
+            let owned = shard.entries.get(key).is_some_and(|e| {
+                e.expires > now && matches!(e.state, State::InFlight { token: t, .. } if t == token)
+            });
+            if owned {
+                f(shard, now);
+                Transition::Applied
+            } else {
+                Transition::Fenced
+            }
+        })
+    }
+}
+
+impl Shard {
+    /// Removes up to `limit` records that expired by `now`; returns how many.
+    fn remove_expired(&mut self, now: Instant, limit: usize) -> usize {
+        let mut removed = 0;
+        while removed < limit {
+            match self.expiries.first() {
+                Some(&(expires, key)) if expires <= now => {
+                    self.expiries.pop_first();
+                    self.entries.remove(&key);
+                    removed += 1;
+                }
+                _ => break,
+            }
+        }
+        removed
+    }
+
+    /// Replaces `key`'s record's expiry (the entry itself is updated by the caller).
+    fn reschedule(&mut self, key: &RecordKey, expires: Instant) {
+        if let Some(entry) = self.entries.get_mut(key) {
+            set_expiry(&mut self.expiries, key, entry.expires, expires);
+            entry.expires = expires;
+        }
+    }
+}
+
+fn set_expiry(
+    expiries: &mut BTreeSet<(Instant, RecordKey)>,
+    key: &RecordKey,
+    old: Instant,
+    new: Instant,
+) {
+    if old != new {
+        expiries.remove(&(old, *key));
+        expiries.insert((new, *key));
+    }
+}
+
+/// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
+/// under the lock is a few infallible map operations), so a poisoned lock is taken as is.
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Ties the monotonic clock to the wall clock once, so a deadline reads the same time on
+/// every [`get`](Store::get).
+#[derive(Clone, Copy)]
+struct Anchor {
+    instant: Instant,
+    wall: SystemTime,
+}
+
+impl Anchor {
+    fn now() -> Self {
+        Self {
+            instant: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+
+    /// The wall-clock time of a monotonic instant, for [`Record`]s.
+    fn wall_clock(&self, at: Instant) -> SystemTime {
+        if at >= self.instant {
+            self.wall + (at - self.instant)
+        } else {
+            self.wall
+                .checked_sub(self.instant - at)
+                .unwrap_or(self.wall)
+        }
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        if let Some(claim) = self.inner.try_claim(key, fingerprint, options) {
+            return Ok(claim);
+        }
+        // Full: expired records do not count, so remove them all and try once more.
+        self.sweep();
+        self.inner
+            .try_claim(key, fingerprint, options)
+            .ok_or(StoreError::AtCapacity {
+                backend: "memory",
+                capacity: self.inner.capacity,
+            })
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let completion = Arc::new(completion);
+        Ok(self.inner.fenced(key, token, |shard, now| {
+            shard.reschedule(key, now + ttl);
+            if let Some(entry) = shard.entries.get_mut(key) {
+                entry.state = State::Completed {
+                    completion,
+                    stored_at: SystemTime::now(),
+                };
+            }
+        }))
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        let transition = self.inner.fenced(key, token, |shard, _| {
+            if let Some(entry) = shard.entries.remove(key) {
+                shard.expiries.remove(&(entry.expires, *key));
+            }
+        });
+        if transition == Transition::Applied {
+            self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(transition)
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        Ok(self.inner.fenced(key, token, |shard, now| {
+            let deadline = now + lease;
+            let expires = match shard.entries.get_mut(key) {
+                Some(entry) => {
+                    entry.state = State::InFlight {
+                        token,
+                        lease_deadline: deadline,
+                    };
+                    entry.expires.max(deadline)
+                }
+                None => return,
+            };
+            shard.reschedule(key, expires);
+        }))
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        Ok(self.inner.fenced(key, token, |shard, now| {
+            shard.reschedule(key, now + ttl);
+            if let Some(entry) = shard.entries.get_mut(key) {
+                entry.state = State::Ambiguous {
+                    since: SystemTime::now(),
+                };
+            }
+        }))
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        Ok(self.inner.with_shard(key, |shard, now| {
+            let entry = shard.entries.get(key).filter(|e| e.expires > now)?;
+            let fingerprint = entry.fingerprint;
+            Some(match &entry.state {
+                State::InFlight { lease_deadline, .. } => Record::InFlight {
+                    fingerprint,
+                    lease_deadline: self.inner.anchor.wall_clock(*lease_deadline),
+                },
+                State::Completed {
+                    completion,
+                    stored_at,
+                } => Record::Completed {
+                    fingerprint,
+                    completion: Completion::clone(completion),
+                    stored_at: *stored_at,
+                },
+                State::Ambiguous { since } => Record::Ambiguous {
+                    fingerprint,
+                    since: *since,
+                },
+            })
+        }))
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let (removed, live) =
+            self.inner
+                .with_shard(key, |shard, now| match shard.entries.remove(key) {
+                    Some(entry) => {
+                        shard.expiries.remove(&(entry.expires, *key));
+                        (true, entry.expires > now)
+                    }
+                    None => (false, false),
+                });
+        if removed {
+            self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(live)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn backend(&self) -> &'static str {
+        "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Hash256;
+
+    fn key(i: usize) -> RecordKey {
+        Hash256::of(format!("memory-test-{i}").as_bytes())
+    }
+
+    fn fp() -> FingerprintHash {
+        Hash256::of(b"fp")
+    }
+
+    fn opts(ttl: Duration) -> ClaimOptions {
+        ClaimOptions {
+            lease: ttl,
+            ttl,
+            on_lapse: UnknownOutcome::Ambiguous,
+        }
+    }
+
+    fn config(capacity: usize, sweep_interval: Duration) -> MemoryStoreConfig {
+        MemoryStoreConfig {
+            capacity,
+            shards: 8,
+            sweep_interval,
+        }
+    }
+
+    #[tokio::test]
+    async fn full_store_refuses_new_keys_and_keeps_live_ones() {
+        let store = MemoryStore::with_config(config(10, Duration::from_secs(3600)));
+        let long = opts(Duration::from_secs(60));
+        let mut tokens = Vec::new();
+        for i in 0..10 {
+            match store.claim(&key(i), &fp(), &long).await.unwrap() {
+                Claim::Acquired(t) => tokens.push(t),
+                other => panic!("claim {i}: {other:?}"),
+            }
+        }
+        let err = store.claim(&key(10), &fp(), &long).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::AtCapacity {
+                    backend: "memory",
+                    capacity: 10
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(store.len(), 10);
+        // Every live record is still there and answers.
+        for i in 0..10 {
+            assert!(matches!(
+                store.claim(&key(i), &fp(), &long).await.unwrap(),
+                Claim::InFlight { .. }
+            ));
+        }
+        // A released record frees its slot.
+        assert_eq!(
+            store.release(&key(3), tokens[3]).await.unwrap(),
+            Transition::Applied
+        );
+        assert!(matches!(
+            store.claim(&key(10), &fp(), &long).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        assert!(store.claim(&key(11), &fp(), &long).await.is_err());
+        // So does a deleted one.
+        assert!(store.delete(&key(0)).await.unwrap());
+        assert!(matches!(
+            store.claim(&key(11), &fp(), &long).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        assert_eq!(store.len(), 10);
+    }
+
+    #[tokio::test]
+    async fn expired_records_do_not_count_against_capacity() {
+        // No background sweep during the test: the claim itself must make room.
+        let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
+        for i in 0..100 {
+            store
+                .claim(&key(i), &fp(), &opts(Duration::from_millis(50)))
+                .await
+                .unwrap();
+        }
+        assert!(
+            store
+                .claim(&key(100), &fp(), &opts(Duration::from_secs(60)))
+                .await
+                .is_err()
+        );
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        for i in 100..200 {
+            assert!(
+                matches!(
+                    store
+                        .claim(&key(i), &fp(), &opts(Duration::from_secs(60)))
+                        .await
+                        .unwrap(),
+                    Claim::Acquired(_)
+                ),
+                "claim {i} after the earlier records expired"
+            );
+        }
+        assert_eq!(store.len(), 100);
+        assert!(
+            store
+                .claim(&key(200), &fp(), &opts(Duration::from_secs(60)))
+                .await
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn background_sweep_removes_expired_records() {
+        let store = MemoryStore::with_config(MemoryStoreConfig {
+            capacity: MemoryStoreConfig::DEFAULT_CAPACITY,
+            shards: 16,
+            sweep_interval: Duration::from_millis(50),
+        });
+        let short = opts(Duration::from_millis(100));
+        for round in 0..3 {
+            for i in 0..10_000 {
+                let k = key(round * 10_000 + i);
+                assert!(matches!(
+                    store.claim(&k, &fp(), &short).await.unwrap(),
+                    Claim::Acquired(_)
+                ));
+            }
+            assert!(
+                store.len() >= 5_000,
+                "round {round}: {} records",
+                store.len()
+            );
+            let mut waited = 0;
+            while !store.is_empty() && waited < 100 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                waited += 1;
+            }
+            assert_eq!(
+                store.len(),
+                0,
+                "round {round}: expired records were not swept"
+            );
+            for shard in store.inner.shards.iter() {
+                let shard = lock(shard);
+                assert!(shard.entries.is_empty() && shard.expiries.is_empty());
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn sweeper_stops_when_store_is_dropped() {
+        let store = MemoryStore::with_config(config(10, Duration::from_millis(10)));
+        let weak = Arc::downgrade(&store.inner);
+        drop(store);
+        assert!(weak.upgrade().is_none(), "the sweeper kept the store alive");
+    }
+
+    #[test]
+    fn made_outside_a_runtime_sweeps_lazily() {
+        let store = MemoryStore::with_config(config(1000, Duration::from_millis(10)));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            for i in 0..50 {
+                store
+                    .claim(&key(i), &fp(), &opts(Duration::from_millis(20)))
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(store.len(), 50);
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            // Touching each key's shard removes expired records from it.
+            for i in 0..50 {
+                assert_eq!(store.get(&key(i)).await.unwrap(), None);
+            }
+        });
+        assert!(store.len() < 50, "calls did not reclaim expired records");
+        store.sweep();
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn index_tracks_every_expiry_change() {
+        let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
+        let k = key(1);
+        let Claim::Acquired(t) = store
+            .claim(&k, &fp(), &opts(Duration::from_secs(5)))
+            .await
+            .unwrap()
+        else {
+            panic!("not acquired");
+        };
+        assert_eq!(
+            store.renew(&k, t, Duration::from_secs(50)).await.unwrap(),
+            Transition::Applied
+        );
+        let completion = Completion::TooLarge {
+            status: http::StatusCode::OK,
+            body_digest: Hash256::of(b""),
+            body_len: 0,
+        };
+        assert_eq!(
+            store
+                .complete(&k, t, completion, Duration::from_secs(7))
+                .await
+                .unwrap(),
+            Transition::Applied
+        );
+        let shard = store.inner.shard(&k);
+        assert_eq!(shard.expiries.len(), 1, "stale expiry entries left behind");
+        let (expires, indexed) = *shard.expiries.first().unwrap();
+        assert_eq!(indexed, k);
+        assert_eq!(expires, shard.entries[&k].expires);
+    }
+}

@@ -1,0 +1,848 @@
+//! [`RedisStore`]: records kept in Redis, shared by every gateway that points at it. The
+//! layout, the Redis settings a payments user needs and what a failover can lose are
+//! documented on the type, where users of the re-export see them.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script, Value};
+
+use super::{BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use crate::record::{
+    Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
+    from_unix_millis,
+};
+
+const BACKEND: &str = "redis";
+
+/// Durations are sent to Redis in whole milliseconds, capped far below where Redis' expiry
+/// arithmetic (and the scripts' Lua doubles) would overflow: about 35,000 years.
+const MAX_MILLIS: u64 = 1 << 50;
+
+/// Settings for a [`RedisStore`].
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct RedisStoreConfig {
+    /// Where Redis is: `redis://[[user]:password@]host[:port][/db]` or
+    /// `redis+unix:///path/to/socket`. Never logged with its password.
+    pub url: String,
+    /// Prepended to every key this store writes, so one Redis can serve several
+    /// applications. Default [`DEFAULT_KEY_PREFIX`](Self::DEFAULT_KEY_PREFIX).
+    pub key_prefix: String,
+    /// How long one store call may take, reconnecting included, before it fails with
+    /// [`StoreError::Timeout`]. Default [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT).
+    pub timeout: Duration,
+    /// How long one attempt to open a connection may take. Default
+    /// [`DEFAULT_CONNECT_TIMEOUT`](Self::DEFAULT_CONNECT_TIMEOUT).
+    pub connect_timeout: Duration,
+}
+
+impl RedisStoreConfig {
+    /// The default [`key_prefix`](Self::key_prefix).
+    pub const DEFAULT_KEY_PREFIX: &'static str = "idemgate:";
+    /// The default [`timeout`](Self::timeout): long enough for a Redis round trip under
+    /// load, short enough that a client waiting behind a dead Redis gets its `503` quickly.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+    /// The default [`connect_timeout`](Self::connect_timeout).
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+    /// Settings for the Redis at `url`, everything else at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            key_prefix: Self::DEFAULT_KEY_PREFIX.to_owned(),
+            timeout: Self::DEFAULT_TIMEOUT,
+            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+}
+
+impl fmt::Debug for RedisStoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreConfig")
+            .field("url", &redact_url(&self.url))
+            .field("key_prefix", &self.key_prefix)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// What Redis does when it reaches `maxmemory`, as read with `CONFIG GET maxmemory-policy`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionPolicy {
+    /// `noeviction`: a full Redis refuses writes instead of dropping keys. The only safe
+    /// policy for idempotency records.
+    NoEviction,
+    /// Any other policy, by name. Redis may evict a live record, and a retry of its request
+    /// then runs a second time.
+    Evicting(String),
+    /// Redis refused `CONFIG GET` (a managed service, a renamed command, an ACL), so the
+    /// policy could not be checked.
+    Unknown,
+}
+
+/// Records kept in Redis, shared by every gateway that points at the same server.
+///
+/// Cloning is cheap and shares the connection.
+///
+/// # How records are kept
+///
+/// One Redis hash per record, under `{key_prefix}{<hex of the RecordKey>}`. The braces are a
+/// Redis Cluster hash tag, so a record is always one key on one slot and every transition can
+/// be a single-key script. The fields are short and binary: `s` (state: `f` in flight, `c`
+/// completed, `a` ambiguous), `fp` (the 32-byte fingerprint), `tok` (the 16-byte owner token),
+/// `ld` (lease deadline, Unix ms), `at` (when it was stored or became ambiguous, Unix ms) and
+/// `body` (the completion in [`Completion::encode`]'s binary form, never base64).
+///
+/// Every transition — claim, complete, release, renew, mark ambiguous — is one Lua script,
+/// so one round trip and one atomic step in Redis. The scripts compare the owner token
+/// before they change anything, and nothing ever writes a record with a bare `SET`. Leases
+/// and expiry use Redis' own clock (`TIME` inside the scripts, relative `PEXPIRE`), never a
+/// gateway's, so gateways with skewed clocks still agree. Scripts are sent as `EVALSHA` and
+/// loaded on `NOSCRIPT` (after a restart, a failover or a `SCRIPT FLUSH`). Needs Redis 5 or
+/// newer (or a compatible server such as Valkey).
+///
+/// # Configuring Redis for payments
+///
+/// A record that Redis loses is a request that a retry runs a second time, so:
+///
+/// - **`maxmemory-policy noeviction`.** Every record has a TTL, so every `volatile-*` policy
+///   can evict live records just as the `allkeys-*` ones can. With `noeviction` a full Redis
+///   refuses new claims (the gateway answers `503`, nothing runs) instead of forgetting old
+///   ones. [`RedisStore::connect`] checks the policy and logs a warning for anything else.
+/// - **`appendonly yes`.** Without the append-only file, a Redis restart loses every record
+///   written since the last RDB snapshot. With it, `appendfsync everysec` (Redis' default)
+///   survives a crash of the Redis process but can lose about the last second of writes (two
+///   when the disk is slow) if the machine or its OS dies; `appendfsync always` loses nothing
+///   Redis acknowledged, at the cost of an `fsync` per write. For payment endpoints, prefer
+///   `always`, or accept that after a machine crash a request acknowledged in its last second
+///   may run again.
+///
+/// # What a failover can still lose
+///
+/// Redis replicates asynchronously: a primary acknowledges a claim before its replicas have
+/// it. If the primary dies in that window and a replica is promoted, the claim (or the
+/// completed response) is gone, and a retry that reaches the new primary runs the request
+/// again. `WAIT numreplicas timeout` after a write narrows that window (the caller goes on
+/// only once that many replicas have it) and `min-replicas-to-write` makes a primary that
+/// has lost its replicas refuse writes; idemgate issues neither itself. Neither makes a
+/// failover lossless: the promoted replica may still be one that had not received the
+/// write. Where a second execution is unacceptable, the upstream should also deduplicate on
+/// the `Idempotency-Key` header, which idemgate always forwards.
+///
+/// # Connections and timeouts
+///
+/// One multiplexed connection per store, managed by [`redis::aio::ConnectionManager`]: when
+/// it breaks, the next call reconnects. Each call is bounded by
+/// [`RedisStoreConfig::timeout`] (a [`StoreError::Timeout`] once it passes) and each
+/// connection attempt by [`RedisStoreConfig::connect_timeout`]. A reconnection is attempted
+/// once per failed call, never on a backoff schedule longer than the call may wait: the
+/// gateway answers `503` while Redis is away and works again, without a restart, as soon as
+/// Redis is back. [`connect`](Self::connect) insists on reaching Redis at start;
+/// [`connect_lazy`](Self::connect_lazy) lets a gateway start without it and report through
+/// its readiness check instead.
+///
+/// A call that times out may still have run in Redis (the reply was lost, not the command).
+/// For a claim that leaves an in-flight record nobody owns: its lease lapses and the route's
+/// unknown-outcome rule applies, exactly as when a gateway dies.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: ConnectionManager,
+    scripts: Arc<Scripts>,
+    key_prefix: Arc<[u8]>,
+    timeout: Duration,
+    display_url: Arc<str>,
+    eviction_policy: Arc<Mutex<Option<EvictionPolicy>>>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("url", &self.display_url)
+            .field("key_prefix", &String::from_utf8_lossy(&self.key_prefix))
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a [`RedisStore`] could not be set up; the source of the [`StoreError::Unavailable`]
+/// that [`RedisStore::connect`] returns, so the message names the server.
+#[derive(Debug, thiserror::Error)]
+#[error("redis at {url}: {what}")]
+struct ConnectError {
+    /// The configured URL, password removed.
+    url: String,
+    what: &'static str,
+    #[source]
+    source: Option<BoxError>,
+}
+
+impl RedisStore {
+    /// Connects to Redis and checks its eviction policy (see [`EvictionPolicy`]).
+    ///
+    /// Fails, within about `connect_timeout + timeout`, with a [`StoreError::Unavailable`]
+    /// whose source names the server (without its password) when the URL is invalid or
+    /// Redis cannot be reached. Use [`connect_lazy`](Self::connect_lazy) to start without
+    /// Redis and let readiness checks report it.
+    pub async fn connect(config: RedisStoreConfig) -> Result<Self, StoreError> {
+        let bound = config.connect_timeout.saturating_add(config.timeout);
+        let store = Self::connect_lazy(config)?;
+        let mut connection = store.connection.clone();
+        let ping = redis::cmd("PING");
+        match tokio::time::timeout(bound, ping.query_async::<()>(&mut connection)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(store.connect_error("cannot connect", Some(e.into()))),
+            Err(_) => return Err(store.connect_error("timed out connecting", None)),
+        }
+        store.check_eviction_policy().await?;
+        Ok(store)
+    }
+
+    /// Sets the store up without contacting Redis. Calls fail with a [`StoreError`] until
+    /// Redis answers; the eviction policy is checked on the first successful
+    /// [`ping`](Store::ping).
+    ///
+    /// Fails when the URL is invalid or when called outside a Tokio runtime (the connection
+    /// runs as a task on it).
+    pub fn connect_lazy(config: RedisStoreConfig) -> Result<Self, StoreError> {
+        let display_url: Arc<str> = redact_url(&config.url).into();
+        let fail = |what, source: Option<BoxError>| StoreError::Unavailable {
+            backend: BACKEND,
+            source: Box::new(ConnectError {
+                url: display_url.to_string(),
+                what,
+                source,
+            }),
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(fail(
+                "the store must be set up inside a Tokio runtime",
+                None,
+            ));
+        }
+        let client = redis::Client::open(config.url.as_str())
+            .map_err(|e| fail("invalid url", Some(e.into())))?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.timeout))
+            // One attempt per reconnection: a failed call triggers the next one, so recovery
+            // starts with the first call after Redis is back instead of after a backoff.
+            .set_number_of_retries(0);
+        let connection = ConnectionManager::new_lazy_with_config(client, manager_config)
+            .map_err(|e| fail("invalid connection settings", Some(e.into())))?;
+        Ok(Self {
+            connection,
+            scripts: Arc::new(Scripts::new()),
+            key_prefix: config.key_prefix.into_bytes().into(),
+            timeout: config.timeout,
+            display_url,
+            eviction_policy: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// Reads Redis' `maxmemory-policy` now, logs a warning unless it is `noeviction`, and
+    /// remembers the answer for [`eviction_policy`](Self::eviction_policy).
+    pub async fn check_eviction_policy(&self) -> Result<EvictionPolicy, StoreError> {
+        let mut connection = self.connection.clone();
+        let answer = tokio::time::timeout(
+            self.timeout,
+            redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory-policy")
+                .query_async::<HashMap<String, String>>(&mut connection),
+        )
+        .await
+        .map_err(|_| self.timeout_error())?;
+        let policy = match answer {
+            Ok(map) => match map.get("maxmemory-policy").map(String::as_str) {
+                Some("noeviction") => EvictionPolicy::NoEviction,
+                Some(other) => EvictionPolicy::Evicting(other.to_owned()),
+                None => EvictionPolicy::Unknown,
+            },
+            // Redis answered, but refused: CONFIG is often disabled on managed services.
+            Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
+                tracing::info!(
+                    redis = %self.display_url,
+                    error = %e,
+                    "cannot read redis maxmemory-policy; make sure it is noeviction",
+                );
+                EvictionPolicy::Unknown
+            }
+            Err(e) => return Err(self.error(e)),
+        };
+        match &policy {
+            EvictionPolicy::NoEviction => {
+                tracing::debug!(redis = %self.display_url, "redis maxmemory-policy is noeviction");
+            }
+            EvictionPolicy::Evicting(name) => tracing::warn!(
+                redis = %self.display_url,
+                maxmemory_policy = %name,
+                "redis may evict idempotency records (maxmemory-policy is not noeviction): \
+                 a retry of a request whose record was evicted runs a second time; \
+                 set maxmemory-policy noeviction",
+            ),
+            EvictionPolicy::Unknown => {}
+        }
+        if let Ok(mut slot) = self.eviction_policy.lock() {
+            *slot = Some(policy.clone());
+        }
+        Ok(policy)
+    }
+
+    /// The eviction policy found by the last check, if one has run (at
+    /// [`connect`](Self::connect), or on the first successful ping of a
+    /// [`connect_lazy`](Self::connect_lazy) store).
+    pub fn eviction_policy(&self) -> Option<EvictionPolicy> {
+        self.eviction_policy.lock().ok().and_then(|p| p.clone())
+    }
+
+    /// The Redis key that holds `key`'s record.
+    pub fn redis_key(&self, key: &RecordKey) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.key_prefix.len() + 66);
+        out.extend_from_slice(&self.key_prefix);
+        out.push(b'{');
+        out.extend_from_slice(key.to_hex().as_bytes());
+        out.push(b'}');
+        out
+    }
+
+    /// Runs one Redis call under the store timeout.
+    async fn run<T>(
+        &self,
+        call: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(self.error(e)),
+            Err(_) => Err(self.timeout_error()),
+        }
+    }
+
+    /// Runs one fenced transition script; `1` means applied.
+    async fn transition(
+        &self,
+        script: &Script,
+        key: &RecordKey,
+        args: &[&[u8]],
+    ) -> Result<Transition, StoreError> {
+        let mut invocation = script.key(self.redis_key(key));
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut connection = self.connection.clone();
+        let applied: i64 = self.run(invocation.invoke_async(&mut connection)).await?;
+        Ok(if applied == 1 {
+            Transition::Applied
+        } else {
+            Transition::Fenced
+        })
+    }
+
+    fn error(&self, e: RedisError) -> StoreError {
+        // The connection's own response timeout and ours race; both mean "too slow".
+        if e.is_timeout() {
+            self.timeout_error()
+        } else {
+            StoreError::Unavailable {
+                backend: BACKEND,
+                source: Box::new(e),
+            }
+        }
+    }
+
+    fn timeout_error(&self) -> StoreError {
+        StoreError::Timeout {
+            backend: BACKEND,
+            after: self.timeout,
+        }
+    }
+
+    fn connect_error(&self, what: &'static str, source: Option<BoxError>) -> StoreError {
+        StoreError::Unavailable {
+            backend: BACKEND,
+            source: Box::new(ConnectError {
+                url: self.display_url.to_string(),
+                what,
+                source,
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        let token = OwnerToken::generate();
+        let lease = millis(options.lease).to_string();
+        let ttl = millis(options.ttl).to_string();
+        let on_lapse: &[u8] = match options.on_lapse {
+            UnknownOutcome::Ambiguous => b"a",
+            UnknownOutcome::Retry => b"r",
+        };
+        let mut invocation = self.scripts.claim.key(self.redis_key(key));
+        invocation
+            .arg(&fingerprint.0[..])
+            .arg(&token.0.to_be_bytes()[..])
+            .arg(lease.as_bytes())
+            .arg(ttl.as_bytes())
+            .arg(on_lapse);
+        let mut connection = self.connection.clone();
+        let answer: Value = self.run(invocation.invoke_async(&mut connection)).await?;
+        decode_claim(answer, token)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let body = completion.encode();
+        let ttl = millis(ttl).to_string();
+        self.transition(
+            &self.scripts.complete,
+            key,
+            &[&token.0.to_be_bytes(), &body, ttl.as_bytes()],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        self.transition(&self.scripts.release, key, &[&token.0.to_be_bytes()])
+            .await
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        let lease = millis(lease).to_string();
+        self.transition(
+            &self.scripts.renew,
+            key,
+            &[&token.0.to_be_bytes(), lease.as_bytes()],
+        )
+        .await
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let ttl = millis(ttl).to_string();
+        self.transition(
+            &self.scripts.mark_ambiguous,
+            key,
+            &[&token.0.to_be_bytes(), ttl.as_bytes()],
+        )
+        .await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let mut connection = self.connection.clone();
+        let fields: Vec<Option<Vec<u8>>> = self
+            .run(
+                redis::cmd("HMGET")
+                    .arg(self.redis_key(key))
+                    .arg(&["s", "fp", "ld", "at", "body"])
+                    .query_async(&mut connection),
+            )
+            .await?;
+        decode_record(fields)
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let mut connection = self.connection.clone();
+        let removed: i64 = self
+            .run(
+                redis::cmd("DEL")
+                    .arg(self.redis_key(key))
+                    .query_async(&mut connection),
+            )
+            .await?;
+        Ok(removed > 0)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut connection = self.connection.clone();
+        self.run(redis::cmd("PING").query_async::<()>(&mut connection))
+            .await?;
+        if self.eviction_policy().is_none() {
+            self.check_eviction_policy().await?;
+        }
+        Ok(())
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+}
+
+/// The transition scripts. Each reads Redis' clock with `TIME` (Unix ms in `now`) and sets
+/// expiry with relative `PEXPIRE`, so no gateway clock is involved.
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+    mark_ambiguous: Script,
+}
+
+/// KEYS[1] record. ARGV: fingerprint, token, lease ms, ttl ms, on_lapse (`a` | `r`).
+/// Returns {0} acquired, {1, lease ms left} in flight, {2, completion} completed,
+/// {3} ambiguous, {4} mismatch, {5} a record this store cannot read.
+const CLAIM: &str = r"
+local key = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = string.format('%.0f', now)
+local rec = redis.call('HMGET', key, 's', 'fp', 'ld')
+local state, fp = rec[1], rec[2]
+if not state then
+  if fp or rec[3] then return {5} end
+elseif state == 'f' then
+  local ld = tonumber(rec[3])
+  if not ld then return {5} end
+  if ld <= now then
+    if ARGV[5] == 'r' then
+      state = false
+    else
+      redis.call('HDEL', key, 'tok', 'ld')
+      redis.call('HSET', key, 's', 'a', 'at', now_s)
+      redis.call('PEXPIRE', key, ARGV[4])
+      state = 'a'
+    end
+  else
+    if fp ~= ARGV[1] then return {4} end
+    return {1, ld - now}
+  end
+end
+if not state then
+  redis.call('DEL', key)
+  redis.call('HSET', key, 's', 'f', 'fp', ARGV[1], 'tok', ARGV[2], 'ld', string.format('%.0f', now + tonumber(ARGV[3])))
+  redis.call('PEXPIRE', key, ARGV[4])
+  return {0}
+end
+if fp ~= ARGV[1] then return {4} end
+if state == 'c' then
+  local body = redis.call('HGET', key, 'body')
+  if not body then return {5} end
+  return {2, body}
+end
+if state == 'a' then return {3} end
+return {5}
+";
+
+/// KEYS[1] record. ARGV: token, completion, ttl ms. Returns 1 applied, 0 fenced.
+const COMPLETE: &str = r"
+local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = string.format('%.0f', now)
+redis.call('HDEL', key, 'tok', 'ld')
+redis.call('HSET', key, 's', 'c', 'body', ARGV[2], 'at', now_s)
+redis.call('PEXPIRE', key, ARGV[3])
+return 1
+";
+
+/// KEYS[1] record. ARGV: token. Returns 1 applied, 0 fenced.
+const RELEASE: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+/// KEYS[1] record. ARGV: token, lease ms. Returns 1 applied, 0 fenced.
+const RENEW: &str = r"
+local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[2])
+redis.call('HSET', key, 'ld', string.format('%.0f', now + lease))
+local left = redis.call('PTTL', key)
+if left >= 0 and left < lease then redis.call('PEXPIRE', key, lease) end
+return 1
+";
+
+/// KEYS[1] record. ARGV: token, ttl ms. Returns 1 applied, 0 fenced.
+const MARK_AMBIGUOUS: &str = r"
+local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = string.format('%.0f', now)
+redis.call('HDEL', key, 'tok', 'ld')
+redis.call('HSET', key, 's', 'a', 'at', now_s)
+redis.call('PEXPIRE', key, ARGV[2])
+return 1
+";
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            claim: Script::new(CLAIM),
+            complete: Script::new(COMPLETE),
+            release: Script::new(RELEASE),
+            renew: Script::new(RENEW),
+            mark_ambiguous: Script::new(MARK_AMBIGUOUS),
+        }
+    }
+}
+
+/// Whole milliseconds, rounded up (a sub-millisecond duration must not become "expire now"),
+/// at least 1 and at most [`MAX_MILLIS`].
+fn millis(d: Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    ms.clamp(1, MAX_MILLIS as u128) as u64
+}
+
+fn corrupt(what: &'static str) -> StoreError {
+    StoreError::Corrupt {
+        backend: BACKEND,
+        source: DecodeError::new(what),
+    }
+}
+
+fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, StoreError> {
+    let Value::Array(items) = answer else {
+        return Err(corrupt("unexpected claim answer"));
+    };
+    let mut items = items.into_iter();
+    let code = match items.next() {
+        Some(Value::Int(code)) => code,
+        _ => return Err(corrupt("unexpected claim answer")),
+    };
+    match (code, items.next()) {
+        (0, None) => Ok(Claim::Acquired(token)),
+        (1, Some(Value::Int(left))) => Ok(Claim::InFlight {
+            lease_remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
+        }),
+        (2, Some(Value::BulkString(body))) => Completion::decode(Bytes::from(body))
+            .map(|c| Claim::Completed(Arc::new(c)))
+            .map_err(|source| StoreError::Corrupt {
+                backend: BACKEND,
+                source,
+            }),
+        (3, None) => Ok(Claim::Ambiguous),
+        (4, None) => Ok(Claim::Mismatch),
+        (5, None) => Err(corrupt("record with missing or unknown fields")),
+        _ => Err(corrupt("unexpected claim answer")),
+    }
+}
+
+/// Decodes HMGET s fp ld at body.
+fn decode_record(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
+    let [state, fp, ld, at, body]: [Option<Vec<u8>>; 5] = fields
+        .try_into()
+        .map_err(|_| corrupt("unexpected HMGET answer"))?;
+    let Some(state) = state else {
+        return if fp.is_none() && ld.is_none() && at.is_none() && body.is_none() {
+            Ok(None)
+        } else {
+            Err(corrupt("record without a state"))
+        };
+    };
+    let fingerprint = fp
+        .and_then(|fp| <[u8; 32]>::try_from(fp).ok())
+        .map(Hash256)
+        .ok_or_else(|| corrupt("record without a valid fingerprint"))?;
+    let time = |field: Option<Vec<u8>>| {
+        field
+            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u64>().ok())
+            .map(from_unix_millis)
+            .ok_or_else(|| corrupt("record with an invalid time"))
+    };
+    match state.as_slice() {
+        b"f" => Ok(Some(Record::InFlight {
+            fingerprint,
+            lease_deadline: time(ld)?,
+        })),
+        b"c" => {
+            let body = body.ok_or_else(|| corrupt("completed record without a body"))?;
+            let completion =
+                Completion::decode(Bytes::from(body)).map_err(|source| StoreError::Corrupt {
+                    backend: BACKEND,
+                    source,
+                })?;
+            Ok(Some(Record::Completed {
+                fingerprint,
+                completion,
+                stored_at: time(at)?,
+            }))
+        }
+        b"a" => Ok(Some(Record::Ambiguous {
+            fingerprint,
+            since: time(at)?,
+        })),
+        _ => Err(corrupt("record with an unknown state")),
+    }
+}
+
+/// The URL with its password (and any `password`/`pass` query parameter) replaced by `***`,
+/// for logs and error messages.
+fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => url.split_at(i + 3),
+        None => ("", url),
+    };
+    let (rest, query) = match rest.find('?') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    let mut out = String::with_capacity(url.len());
+    out.push_str(scheme);
+    match rest.rfind('@') {
+        Some(at) => {
+            let (userinfo, host) = rest.split_at(at);
+            match userinfo.split_once(':') {
+                Some((user, _password)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
+                }
+                None => out.push_str("***"),
+            }
+            out.push_str(host);
+        }
+        None => out.push_str(rest),
+    }
+    if let Some(params) = query.strip_prefix('?') {
+        out.push('?');
+        for (i, param) in params.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            match param.split_once('=') {
+                Some((name, _)) if name == "password" || name == "pass" => {
+                    out.push_str(name);
+                    out.push_str("=***");
+                }
+                _ => out.push_str(param),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_reach_the_display_url() {
+        assert_eq!(
+            redact_url("redis://:s3cret@db.internal:6380/2"),
+            "redis://:***@db.internal:6380/2"
+        );
+        assert_eq!(
+            redact_url("redis://app:p@ss:w@rd@db:6379"),
+            "redis://app:***@db:6379"
+        );
+        assert_eq!(redact_url("redis://token@db"), "redis://***@db");
+        assert_eq!(
+            redact_url("redis+unix:///run/redis.sock?db=1&pass=hunter2"),
+            "redis+unix:///run/redis.sock?db=1&pass=***"
+        );
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn millis_round_up_and_stay_in_range() {
+        assert_eq!(millis(Duration::ZERO), 1);
+        assert_eq!(millis(Duration::from_micros(1)), 1);
+        assert_eq!(millis(Duration::from_micros(1500)), 2);
+        assert_eq!(millis(Duration::from_secs(30)), 30_000);
+        assert_eq!(millis(Duration::MAX), MAX_MILLIS);
+    }
+
+    #[test]
+    fn records_missing_fields_are_corrupt_not_panics() {
+        let fp = Some(vec![7u8; 32]);
+        let ok = decode_record(vec![
+            Some(b"a".to_vec()),
+            fp.clone(),
+            None,
+            Some(b"5".to_vec()),
+            None,
+        ]);
+        assert!(matches!(ok, Ok(Some(Record::Ambiguous { .. }))));
+        for fields in [
+            vec![Some(b"f".to_vec()), fp.clone(), None, None, None],
+            vec![
+                Some(b"c".to_vec()),
+                fp.clone(),
+                None,
+                Some(b"5".to_vec()),
+                None,
+            ],
+            vec![
+                Some(b"a".to_vec()),
+                Some(vec![1, 2]),
+                None,
+                Some(b"5".to_vec()),
+                None,
+            ],
+            vec![Some(b"x".to_vec()), fp.clone(), None, None, None],
+            vec![None, fp.clone(), None, None, None],
+            vec![None, None],
+        ] {
+            assert!(
+                matches!(
+                    decode_record(fields.clone()),
+                    Err(StoreError::Corrupt { .. })
+                ),
+                "{fields:?}"
+            );
+        }
+        assert!(matches!(decode_record(vec![None; 5]), Ok(None)));
+    }
+
+    #[test]
+    fn unexpected_claim_answers_are_corrupt() {
+        let token = OwnerToken::generate();
+        assert_eq!(
+            decode_claim(Value::Array(vec![Value::Int(0)]), token).ok(),
+            Some(Claim::Acquired(token))
+        );
+        for answer in [
+            Value::Nil,
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(9)]),
+            Value::Array(vec![Value::Int(2), Value::Int(1)]),
+            Value::Array(vec![Value::Int(2), Value::BulkString(vec![0xff])]),
+            Value::Array(vec![Value::Int(5)]),
+        ] {
+            assert!(matches!(
+                decode_claim(answer, token),
+                Err(StoreError::Corrupt { .. })
+            ));
+        }
+    }
+}

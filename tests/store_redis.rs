@@ -1,0 +1,688 @@
+//! `RedisStore` against a real `redis-server` (run `.ci/install-deps` if it is missing):
+//! behaviour specific to Redis, and its faults: a killed, hung or restarted server.
+
+#![cfg(feature = "redis")]
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use idemgate::record::{
+    Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
+};
+use idemgate::store::{
+    Claim, ClaimOptions, EvictionPolicy, RedisStore, RedisStoreConfig, Store, StoreError,
+    Transition, UnknownOutcome,
+};
+use redis_server::RedisServer;
+
+/// The whole contract, each check on its own server (dropped, and so killed, with the store).
+mod conformance {
+    use super::*;
+
+    idemgate::store_conformance_tests!(ServerBackedStore::start());
+}
+
+/// A store that owns the `redis-server` it talks to, so the server lives exactly as long as
+/// the conformance check that uses it.
+struct ServerBackedStore {
+    store: RedisStore,
+    _server: RedisServer,
+}
+
+impl ServerBackedStore {
+    async fn start() -> Self {
+        let server = RedisServer::start();
+        let store = connect(config(&server)).await;
+        Self {
+            store,
+            _server: server,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for ServerBackedStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        self.store.claim(key, fingerprint, options).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.complete(key, token, completion, ttl).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        self.store.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.renew(key, token, lease).await
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.store.mark_ambiguous(key, token, ttl).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.store.get(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.store.delete(key).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+
+    fn backend(&self) -> &'static str {
+        self.store.backend()
+    }
+}
+
+/// Short enough that fault tests finish quickly, long enough for a loaded 2-core machine.
+const FAULT_TIMEOUT: Duration = Duration::from_millis(500);
+
+fn options() -> ClaimOptions {
+    ClaimOptions {
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+        on_lapse: UnknownOutcome::Ambiguous,
+    }
+}
+
+fn key(name: &str) -> RecordKey {
+    Hash256::of(name.as_bytes())
+}
+
+fn fingerprint(name: &str) -> Hash256 {
+    Hash256::of(format!("fingerprint {name}").as_bytes())
+}
+
+fn response(body: &[u8]) -> Completion {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "content-type",
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    Completion::Response(StoredResponse {
+        status: StatusCode::CREATED,
+        headers,
+        body: Bytes::copy_from_slice(body),
+    })
+}
+
+fn config(server: &RedisServer) -> RedisStoreConfig {
+    let mut config = RedisStoreConfig::new(server.url());
+    config.key_prefix = "idemgate-test:".to_owned();
+    config
+}
+
+fn fault_config(server: &RedisServer) -> RedisStoreConfig {
+    let mut config = config(server);
+    config.timeout = FAULT_TIMEOUT;
+    config.connect_timeout = FAULT_TIMEOUT;
+    config
+}
+
+async fn connect(config: RedisStoreConfig) -> RedisStore {
+    RedisStore::connect(config)
+        .await
+        .expect("connect to the test redis-server")
+}
+
+/// A plain connection to inspect what the store wrote.
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .expect("valid url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection to the test redis-server")
+}
+
+async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
+    match store
+        .claim(&key(name), &fingerprint(name), &options())
+        .await
+    {
+        Ok(Claim::Acquired(token)) => token,
+        other => panic!("expected Acquired for {name}, got {other:?}"),
+    }
+}
+
+/// Polls `ping` until it succeeds; a bounded loop, for after a fault is cleared.
+async fn until_ping_succeeds(store: &RedisStore) {
+    for _ in 0..100 {
+        if store.ping().await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the store did not come back within 10 s of the server");
+}
+
+/// How many times Redis ran `SCRIPT LOAD` (from `INFO commandstats`).
+async fn script_loads(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(raw)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_script|load:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn script_flush(raw: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(raw)
+        .await
+        .expect("SCRIPT FLUSH");
+}
+
+#[tokio::test]
+async fn every_transition_survives_script_flush() {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    let mut raw = raw(&server).await;
+
+    // Each step runs right after a flush, so each script is sent by SHA, refused with
+    // NOSCRIPT, loaded and run: one SCRIPT LOAD per step proves the fallback ran.
+    let mut loads = script_loads(&mut raw).await;
+    script_flush(&mut raw).await;
+    let token = acquire(&store, "a").await;
+    let now = script_loads(&mut raw).await;
+    assert_eq!(now, loads + 1, "claim loaded its script after the flush");
+    loads = now;
+
+    script_flush(&mut raw).await;
+    assert_eq!(
+        store
+            .renew(&key("a"), token, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Transition::Applied
+    );
+    script_flush(&mut raw).await;
+    assert_eq!(
+        store
+            .complete(&key("a"), token, response(b"done"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Transition::Applied
+    );
+    let replay = store
+        .claim(&key("a"), &fingerprint("a"), &options())
+        .await
+        .unwrap();
+    assert_eq!(replay, Claim::Completed(Arc::new(response(b"done"))));
+
+    script_flush(&mut raw).await;
+    let token = acquire(&store, "b").await;
+    script_flush(&mut raw).await;
+    assert_eq!(
+        store
+            .mark_ambiguous(&key("b"), token, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Transition::Applied
+    );
+    script_flush(&mut raw).await;
+    let token = acquire(&store, "c").await;
+    script_flush(&mut raw).await;
+    assert_eq!(
+        store.release(&key("c"), token).await.unwrap(),
+        Transition::Applied
+    );
+
+    // renew, complete, claim, claim, mark_ambiguous, claim, release: 7 more loads.
+    assert_eq!(script_loads(&mut raw).await, loads + 7);
+    assert!(matches!(
+        store.get(&key("b")).await.unwrap(),
+        Some(Record::Ambiguous { .. })
+    ));
+    assert_eq!(store.get(&key("c")).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn killed_server_fails_every_call_within_the_timeout() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    let token = acquire(&store, "held").await;
+    server.stop();
+
+    let bound = FAULT_TIMEOUT * 5;
+    let k = key("held");
+    let fp = fingerprint("held");
+    let ttl = Duration::from_secs(60);
+    macro_rules! fails_in_time {
+        ($call:expr) => {{
+            let started = Instant::now();
+            let result = $call.await;
+            let took = started.elapsed();
+            assert!(
+                result.is_err(),
+                "{} succeeded against a dead server",
+                stringify!($call)
+            );
+            assert!(took < bound, "{} took {took:?}", stringify!($call));
+        }};
+    }
+    fails_in_time!(store.claim(&k, &fp, &options()));
+    fails_in_time!(store.complete(&k, token, response(b"x"), ttl));
+    fails_in_time!(store.release(&k, token));
+    fails_in_time!(store.renew(&k, token, ttl));
+    fails_in_time!(store.mark_ambiguous(&k, token, ttl));
+    fails_in_time!(store.get(&k));
+    fails_in_time!(store.delete(&k));
+    fails_in_time!(store.ping());
+}
+
+#[tokio::test]
+async fn hung_server_times_out_and_the_store_recovers_when_it_thaws() {
+    let server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    acquire(&store, "before").await;
+
+    server.pause();
+    let started = Instant::now();
+    let err = store
+        .claim(&key("during"), &fingerprint("during"), &options())
+        .await
+        .expect_err("a frozen server cannot answer");
+    assert!(started.elapsed() < FAULT_TIMEOUT * 5);
+    assert!(
+        matches!(err, StoreError::Timeout { backend: "redis", after } if after == FAULT_TIMEOUT),
+        "{err:?}"
+    );
+    assert!(matches!(
+        store.ping().await,
+        Err(StoreError::Timeout { .. })
+    ));
+
+    server.resume();
+    until_ping_succeeds(&store).await;
+    acquire(&store, "after").await;
+    // The claim sent while frozen may have run once Redis thawed, or not; either way the
+    // store answers about the key consistently.
+    let again = store
+        .claim(&key("during"), &fingerprint("during"), &options())
+        .await
+        .unwrap();
+    assert!(
+        matches!(again, Claim::Acquired(_) | Claim::InFlight { .. }),
+        "{again:?}"
+    );
+}
+
+#[tokio::test]
+async fn restarted_server_is_used_again_by_the_same_store() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    acquire(&store, "before").await;
+
+    server.stop();
+    assert!(store.ping().await.is_err());
+    assert!(store.get(&key("before")).await.is_err());
+
+    server.restart();
+    until_ping_succeeds(&store).await;
+    // The test server keeps nothing across a restart, so the key is free again.
+    acquire(&store, "before").await;
+    acquire(&store, "after").await;
+}
+
+#[tokio::test]
+async fn unreachable_server_fails_connect_clearly_and_without_the_password() {
+    let mut server = RedisServer::start();
+    server.stop();
+    let mut config = fault_config(&server);
+    config.url = format!("redis://:hunter2@127.0.0.1:{}/0", server.port());
+
+    let started = Instant::now();
+    let err = RedisStore::connect(config)
+        .await
+        .expect_err("nothing listens on the port");
+    assert!(started.elapsed() < (FAULT_TIMEOUT * 2) * 5);
+    assert!(
+        matches!(
+            err,
+            StoreError::Unavailable {
+                backend: "redis",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let mut chain = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(cause) = source {
+        chain.push_str(": ");
+        chain.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    assert!(
+        chain.contains(&format!("redis://:***@127.0.0.1:{}/0", server.port())),
+        "{chain}"
+    );
+    assert!(!chain.contains("hunter2"), "{chain}");
+    assert!(!format!("{err:?}").contains("hunter2"));
+}
+
+#[tokio::test]
+async fn invalid_url_is_refused_at_setup() {
+    let err = RedisStore::connect(RedisStoreConfig::new("http://:secret@example.invalid"))
+        .await
+        .expect_err("not a redis url");
+    assert!(matches!(
+        err,
+        StoreError::Unavailable {
+            backend: "redis",
+            ..
+        }
+    ));
+    let source = std::error::Error::source(&err)
+        .expect("names the url")
+        .to_string();
+    assert!(
+        source.contains("invalid url") && !source.contains("secret"),
+        "{source}"
+    );
+}
+
+#[tokio::test]
+async fn lazy_store_starts_without_redis_and_works_once_it_appears() {
+    let mut server = RedisServer::start();
+    server.stop();
+    let store = RedisStore::connect_lazy(fault_config(&server)).expect("no network needed");
+    assert!(store.ping().await.is_err());
+    assert_eq!(store.eviction_policy(), None);
+
+    server.restart();
+    until_ping_succeeds(&store).await;
+    assert_eq!(store.eviction_policy(), Some(EvictionPolicy::NoEviction));
+    acquire(&store, "lazy").await;
+}
+
+#[tokio::test]
+async fn eviction_policy_is_checked_at_connect() {
+    let safe = RedisServer::start();
+    assert_eq!(
+        connect(config(&safe)).await.eviction_policy(),
+        Some(EvictionPolicy::NoEviction)
+    );
+
+    let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+    let store = connect(config(&evicting)).await;
+    assert_eq!(
+        store.eviction_policy(),
+        Some(EvictionPolicy::Evicting("allkeys-lru".to_owned()))
+    );
+
+    let volatile = RedisServer::start_with(&["--maxmemory-policy", "volatile-ttl"]);
+    assert_eq!(
+        connect(config(&volatile)).await.eviction_policy(),
+        Some(EvictionPolicy::Evicting("volatile-ttl".to_owned()))
+    );
+}
+
+#[tokio::test]
+async fn disabled_config_command_does_not_stop_the_store() {
+    let server = RedisServer::start_with(&["--rename-command", "CONFIG", ""]);
+    let store = connect(config(&server)).await;
+    assert_eq!(store.eviction_policy(), Some(EvictionPolicy::Unknown));
+    acquire(&store, "works").await;
+}
+
+#[tokio::test]
+async fn keys_carry_the_prefix_a_hash_tag_and_a_ttl() {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    let mut raw = raw(&server).await;
+    acquire(&store, "prefixed").await;
+
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let expected = format!("idemgate-test:{{{}}}", key("prefixed").to_hex());
+    assert_eq!(keys, std::slice::from_ref(&expected));
+    assert_eq!(store.redis_key(&key("prefixed")), expected.as_bytes());
+
+    let kind: String = redis::cmd("TYPE")
+        .arg(&expected)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let ttl_ms: i64 = redis::cmd("PTTL")
+        .arg(&expected)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl_ms > 3_500_000 && ttl_ms <= 3_600_000, "{ttl_ms}");
+
+    // The default prefix applies when none is configured.
+    let plain = connect(RedisStoreConfig::new(server.url())).await;
+    acquire(&plain, "default").await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("idemgate:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(keys, [format!("idemgate:{{{}}}", key("default").to_hex())]);
+}
+
+#[tokio::test]
+async fn bodies_are_stored_as_raw_bytes() {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    let mut raw = raw(&server).await;
+    let body: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8).collect();
+    let token = acquire(&store, "big").await;
+    let done = store
+        .complete(&key("big"), token, response(&body), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+
+    let stored: usize = redis::cmd("HSTRLEN")
+        .arg(store.redis_key(&key("big")))
+        .arg("body")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(
+        stored >= body.len() && stored < body.len() + 128,
+        "{stored}"
+    );
+    let replay = store
+        .claim(&key("big"), &fingerprint("big"), &options())
+        .await
+        .unwrap();
+    assert_eq!(replay, Claim::Completed(Arc::new(response(&body))));
+}
+
+#[tokio::test]
+async fn renew_keeps_a_short_lived_record_alive_for_the_new_lease() {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    let mut raw = raw(&server).await;
+    let opts = ClaimOptions {
+        lease: Duration::from_secs(1),
+        ttl: Duration::from_secs(2),
+        on_lapse: UnknownOutcome::Ambiguous,
+    };
+    let token = match store
+        .claim(&key("short"), &fingerprint("short"), &opts)
+        .await
+        .unwrap()
+    {
+        Claim::Acquired(token) => token,
+        other => panic!("{other:?}"),
+    };
+    let renewed = store
+        .renew(&key("short"), token, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert_eq!(renewed, Transition::Applied);
+    let ttl_ms: i64 = redis::cmd("PTTL")
+        .arg(store.redis_key(&key("short")))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl_ms > 590_000, "{ttl_ms}");
+    let Some(Record::InFlight { lease_deadline, .. }) = store.get(&key("short")).await.unwrap()
+    else {
+        panic!("still in flight");
+    };
+    let left = lease_deadline
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    // Redis' clock and ours are the same machine's here; allow generous slack anyway.
+    assert!(left > Duration::from_secs(500), "{left:?}");
+}
+
+#[tokio::test]
+async fn gateways_sharing_one_redis_never_both_acquire() {
+    let server = RedisServer::start();
+    let gateways: Vec<RedisStore> = vec![
+        connect(config(&server)).await,
+        connect(config(&server)).await,
+        connect(config(&server)).await,
+    ];
+    for round in 0..5 {
+        let name = format!("race-{round}");
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..30 {
+            let store = gateways[i % gateways.len()].clone();
+            let name = name.clone();
+            tasks.spawn(async move {
+                store
+                    .claim(&key(&name), &fingerprint(&name), &options())
+                    .await
+                    .expect("claim")
+            });
+        }
+        let mut acquired = 0;
+        while let Some(claim) = tasks.join_next().await {
+            match claim.expect("task") {
+                Claim::Acquired(_) => acquired += 1,
+                Claim::InFlight { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}");
+    }
+}
+
+#[tokio::test]
+async fn records_written_by_something_else_are_errors_not_panics() {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    let mut raw = raw(&server).await;
+
+    let odd_state = store.redis_key(&key("odd"));
+    let () = redis::cmd("HSET")
+        .arg(&odd_state)
+        .arg("s")
+        .arg("z")
+        .arg("fp")
+        .arg(&fingerprint("odd").0[..])
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .claim(&key("odd"), &fingerprint("odd"), &options())
+            .await,
+        Err(StoreError::Corrupt {
+            backend: "redis",
+            ..
+        })
+    ));
+    assert!(matches!(
+        store.get(&key("odd")).await,
+        Err(StoreError::Corrupt {
+            backend: "redis",
+            ..
+        })
+    ));
+
+    let bad_body = store.redis_key(&key("bad-body"));
+    let () = redis::cmd("HSET")
+        .arg(&bad_body)
+        .arg("s")
+        .arg("c")
+        .arg("fp")
+        .arg(&fingerprint("bad-body").0[..])
+        .arg("body")
+        .arg(&b"\x09garbage"[..])
+        .arg("at")
+        .arg("1")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .claim(&key("bad-body"), &fingerprint("bad-body"), &options())
+            .await,
+        Err(StoreError::Corrupt { .. })
+    ));
+
+    // A key of another type: Redis itself refuses (WRONGTYPE), kept as the error's source.
+    let string_key = store.redis_key(&key("string"));
+    let () = redis::cmd("SET")
+        .arg(&string_key)
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let err = store
+        .claim(&key("string"), &fingerprint("string"), &options())
+        .await
+        .expect_err("WRONGTYPE");
+    let StoreError::Unavailable {
+        backend: "redis",
+        source,
+    } = err
+    else {
+        panic!("{err:?}");
+    };
+    assert!(source.downcast_ref::<redis::RedisError>().is_some());
+
+    // The operator's way out works on all of them.
+    assert!(store.delete(&key("odd")).await.unwrap());
+    assert!(store.delete(&key("bad-body")).await.unwrap());
+    assert!(!store.delete(&key("never")).await.unwrap());
+}

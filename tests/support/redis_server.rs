@@ -1,0 +1,193 @@
+//! A real `redis-server` for tests: started on a free loopback port with no persistence,
+//! killed (by its own pid) when dropped, and able to be stopped, paused and restarted on the
+//! same port for fault tests.
+//!
+//! Include with `#[path = "support/redis_server.rs"] mod redis_server;`.
+
+#![allow(dead_code)]
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a freshly spawned server may take to answer PING.
+const READY_WITHIN: Duration = Duration::from_secs(10);
+
+/// A `redis-server` child process owned by one test.
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+    extra_args: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a server with the test defaults.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra command-line options, e.g.
+    /// `["--maxmemory-policy", "allkeys-lru"]`.
+    pub fn start_with(extra_args: &[&str]) -> Self {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-redis-test-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create a temp dir for redis-server");
+        let mut server = Self {
+            child: None,
+            port: 0,
+            dir,
+            extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        // Another process can take the port between our probe and redis-server's bind; try a
+        // few fresh ports before giving up.
+        for _ in 0..5 {
+            server.port = free_port();
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!(
+            "redis-server did not start; its log is in {}",
+            server.dir.display()
+        );
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The port the server listens on (kept across restarts).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it to exit; the port stays reserved in name
+    /// only, for [`restart`](Self::restart).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port after [`stop`](Self::stop).
+    pub fn restart(&mut self) {
+        self.stop();
+        assert!(
+            self.spawn(),
+            "redis-server did not restart on port {}; its log is in {}",
+            self.port,
+            self.dir.display()
+        );
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a [`pause`](Self::pause)d server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("redis-server is not running");
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
+    }
+
+    /// Spawns redis-server on `self.port`; true once it answers PING, false if it exited.
+    fn spawn(&mut self) -> bool {
+        let log = self.dir.join("redis.log");
+        let mut command = Command::new("redis-server");
+        command
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(&log)
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) if e.kind() == ErrorKind::NotFound => missing_redis_server(),
+            Err(e) => panic!("cannot run redis-server: {e}"),
+        };
+        self.child = Some(child);
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let deadline = Instant::now() + READY_WITHIN;
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
+            if answers_ping(addr) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.stop();
+        false
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn missing_redis_server() -> ! {
+    if std::env::var_os("CI").is_some() {
+        panic!(
+            "redis-server is not on PATH in CI: the Redis store tests need it; \
+             the CI job must run .ci/install-deps before the tests"
+        );
+    }
+    panic!("redis-server is not on PATH: run .ci/install-deps (installs Debian's redis-server)");
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a loopback port")
+        .port()
+}
+
+fn answers_ping(addr: SocketAddr) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut reply = [0u8; 7];
+    stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+}

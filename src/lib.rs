@@ -30,6 +30,8 @@ pub mod record;
 pub mod response;
 mod service;
 pub mod store;
+#[cfg(feature = "proxy")]
+pub mod proxy;
 
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_STORE_TIMEOUT, IdempotencyLayer, LayerStats};

@@ -1,0 +1,1148 @@
+//! The gateway's configuration: the TOML file as written ([`FileConfig`]), the command-line
+//! and environment overrides laid over it ([`Overrides`]), and the checked, typed result
+//! ([`Settings`]).
+//!
+//! Precedence is flags, then `IDEMGATE_*` environment variables (both arrive as
+//! [`Overrides`], clap resolves which of the two wins), then the file, then the `DEFAULT_*`
+//! constants below. Every value is checked in [`FileConfig::validate`]; a bad one is refused
+//! with a [`ConfigError`] that names the field and says what would be valid.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode, Uri};
+use serde::Deserialize;
+
+use crate::policy::{
+    Concurrent, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_WAIT_TIMEOUT, KeySource, Preset, RoutePolicy, StatusSet, UnknownOutcome,
+};
+
+/// Default address of the proxy listener.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// Default address of the admin listener (health, readiness, metrics, records).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+/// Default store: an embedded durable file, so records survive a restart.
+pub const DEFAULT_STORE: &str = "redb:./data/idemgate.redb";
+/// Default bound on one store call; past it the request is answered as the store being down.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default bound on the upstream's answer (connect, send, response head); past it → `504`.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default bound on opening a connection to the upstream; past it nothing was sent → `502`.
+pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default time in-flight requests get to finish after SIGTERM/SIGINT.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// Default cap on open client connections; past it the listener stops accepting until one
+/// closes.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default time a client gets to send a request's complete header block.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time an idle keep-alive connection stays open.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default cap on header fields in one request.
+pub const DEFAULT_MAX_HEADERS: usize = 100;
+/// Default cap on a request's header block in bytes (HTTP/1.1 read buffer; HTTP/2 header list).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Largest accepted `max_connections`.
+pub const MAX_MAX_CONNECTIONS: usize = 1_000_000;
+/// Smallest accepted `max_header_bytes` (hyper's floor for its read buffer).
+pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
+
+/// A configuration value that was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (syntax, unknown field, wrong type).
+    #[error("config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, with line and column.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A value is missing or out of range.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// The field, as written in the file (`routes[1].ttl`).
+        field: String,
+        /// What is wrong and what would be valid.
+        message: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Invalid { field: field.into(), message: message.into() }
+    }
+
+    /// The field the error is about, when it is about one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+}
+
+/// The config file as written. Every field is optional; unknown fields are refused.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Proxy listener address (`host:port`; port 0 picks a free one).
+    pub listen: Option<String>,
+    /// Admin listener address.
+    pub admin_listen: Option<String>,
+    /// The upstream's base URL (`http://host:port[/base/path]`).
+    pub upstream: Option<String>,
+    /// `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    pub store: Option<String>,
+    /// Record lifetime for every route that does not set its own (default: the preset's).
+    pub ttl: Option<String>,
+    /// Bound on one store call.
+    pub store_timeout: Option<String>,
+    /// `reject` (fail closed, `503`) or `pass` (forward unprotected) when the store is down.
+    pub on_store_error: Option<String>,
+    /// Bound on the upstream's answer.
+    pub upstream_timeout: Option<String>,
+    /// Bound on connecting to the upstream.
+    pub upstream_connect_timeout: Option<String>,
+    /// Time in-flight requests get after SIGTERM.
+    pub shutdown_grace: Option<String>,
+    /// Cap on a buffered idempotent request body, for routes that do not set their own.
+    pub max_request_bytes: Option<ByteSize>,
+    /// Cap on a stored response body, for routes that do not set their own.
+    pub max_response_bytes: Option<ByteSize>,
+    /// Bearer token for the admin record endpoints.
+    pub admin_token: Option<String>,
+    /// Name of an environment variable holding the admin token.
+    pub admin_token_env: Option<String>,
+    /// Connection limits.
+    pub limits: Option<LimitsFile>,
+    /// Routes by path prefix.
+    #[serde(default)]
+    pub routes: Vec<RouteFile>,
+}
+
+/// `[limits]` as written.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsFile {
+    /// Cap on open client connections.
+    pub max_connections: Option<usize>,
+    /// Time a client gets to send a complete header block.
+    pub header_read_timeout: Option<String>,
+    /// Time an idle keep-alive connection stays open.
+    pub idle_timeout: Option<String>,
+    /// Cap on header fields per request.
+    pub max_headers: Option<usize>,
+    /// Cap on a request's header block in bytes.
+    pub max_header_bytes: Option<ByteSize>,
+}
+
+/// One `[[routes]]` entry as written.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteFile {
+    /// Path prefix the route covers; the longest matching prefix wins.
+    pub prefix: Option<String>,
+    /// Name in logs, metrics and the admin API; part of every record key.
+    pub name: Option<String>,
+    /// `api`, `webhook` or `strict`.
+    pub preset: Option<String>,
+    /// Take the key from this header.
+    pub key_header: Option<String>,
+    /// Take the key from this JSON pointer into the body.
+    pub key_json_pointer: Option<String>,
+    /// Methods that take part.
+    pub methods: Option<Vec<String>>,
+    /// Answer `400` when a taking-part request has no key.
+    pub require_key: Option<bool>,
+    /// Record lifetime.
+    pub ttl: Option<String>,
+    /// `reject` (`409` at once) or `wait` (wait `wait_timeout` for the first request).
+    pub concurrent: Option<String>,
+    /// Bound on `concurrent = "wait"`.
+    pub wait_timeout: Option<String>,
+    /// Headers whose values make the scope.
+    pub scope_headers: Option<Vec<String>>,
+    /// Headers that are part of the fingerprint.
+    pub fingerprint_headers: Option<Vec<String>>,
+    /// Stored statuses, applied in order (`["2xx", "!429"]`).
+    pub store_statuses: Option<Vec<String>>,
+    /// `ambiguous` or `retry`.
+    pub unknown_outcome: Option<String>,
+    /// Status of the fingerprint-mismatch answer.
+    pub mismatch_status: Option<u16>,
+    /// Lease on an in-flight record.
+    pub lease: Option<String>,
+    /// Cap on a buffered request body.
+    pub max_request_bytes: Option<ByteSize>,
+    /// Cap on a stored response body.
+    pub max_response_bytes: Option<ByteSize>,
+    /// Keep `Set-Cookie` in stored responses.
+    pub store_set_cookie: Option<bool>,
+}
+
+/// A byte count written as an integer (`1048576`) or with a unit (`"64KiB"`, `"10MiB"`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ByteSize {
+    /// A plain number of bytes.
+    Bytes(u64),
+    /// A number with a unit.
+    Text(String),
+}
+
+impl ByteSize {
+    fn resolve(&self, field: &str) -> Result<usize, ConfigError> {
+        let n = match self {
+            ByteSize::Bytes(n) => *n,
+            ByteSize::Text(s) => parse_byte_size(s).map_err(|m| ConfigError::invalid(field, m))?,
+        };
+        usize::try_from(n).map_err(|_| ConfigError::invalid(field, "too large for this machine"))
+    }
+}
+
+/// Reads `"512"`, `"64KiB"`, `"10MiB"`, `"1GiB"` (also `KB`/`MB`/`GB` as powers of 1000).
+pub fn parse_byte_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; expected e.g. 1048576, \"64KiB\" or \"10MiB\""))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "{s:?} has unknown unit {other:?}; expected B, KiB, MiB, GiB, KB, MB or GB"
+            ));
+        }
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Reads a duration: an integer and a unit, `ms`, `s`, `m`, `h` or `d` (`"500ms"`, `"30s"`,
+/// `"24h"`, `"3d"`). Several parts add up (`"1h30m"`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || {
+        format!(
+            "{s:?} is not a duration; expected a number and a unit ms, s, m, h or d, \
+             e.g. \"500ms\", \"30s\", \"24h\", \"3d\""
+        )
+    };
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut total = Duration::ZERO;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        if digits == 0 {
+            return Err(bad());
+        }
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let part = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.checked_mul(60).ok_or_else(bad)?),
+            "h" => Duration::from_secs(n.checked_mul(3600).ok_or_else(bad)?),
+            "d" => Duration::from_secs(n.checked_mul(86_400).ok_or_else(bad)?),
+            _ => return Err(bad()),
+        };
+        total = total.checked_add(part).ok_or_else(bad)?;
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+/// Values from the command line or the environment, laid over the file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `--listen` / `IDEMGATE_LISTEN`.
+    pub listen: Option<String>,
+    /// `--admin-listen` / `IDEMGATE_ADMIN_LISTEN`.
+    pub admin_listen: Option<String>,
+    /// `--upstream` / `IDEMGATE_UPSTREAM`.
+    pub upstream: Option<String>,
+    /// `--store` / `IDEMGATE_STORE`.
+    pub store: Option<String>,
+    /// `--ttl` / `IDEMGATE_TTL`.
+    pub ttl: Option<String>,
+    /// `IDEMGATE_ADMIN_TOKEN`.
+    pub admin_token: Option<String>,
+}
+
+/// Where records are kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// In this process only; lost on restart.
+    Memory,
+    /// An embedded durable file.
+    Redb(PathBuf),
+    /// A Redis server shared by several gateways (`redis://` or `rediss://` URL).
+    Redis(String),
+}
+
+impl StoreSpec {
+    /// Reads `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s == "memory" {
+            Ok(StoreSpec::Memory)
+        } else if let Some(path) = s.strip_prefix("redb:") {
+            if path.is_empty() {
+                return Err("redb: needs a file path, e.g. \"redb:./data/idemgate.redb\"".into());
+            }
+            Ok(StoreSpec::Redb(PathBuf::from(path)))
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            let uri: Uri = s.parse().map_err(|e| format!("{s:?} is not a valid URL: {e}"))?;
+            if uri.host().is_none_or(str::is_empty) {
+                return Err(format!("{s:?} names no host; expected redis://HOST:PORT[/DB]"));
+            }
+            Ok(StoreSpec::Redis(s.to_owned()))
+        } else {
+            Err(format!(
+                "{s:?} is not a store; expected \"memory\", \"redb:PATH\" or \"redis://HOST:PORT[/DB]\""
+            ))
+        }
+    }
+}
+
+impl fmt::Display for StoreSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreSpec::Memory => f.write_str("memory"),
+            StoreSpec::Redb(path) => write!(f, "redb:{}", path.display()),
+            // The URL may carry a password; show only scheme, host and port.
+            StoreSpec::Redis(url) => match url.parse::<Uri>() {
+                Ok(uri) => write!(
+                    f,
+                    "{}://{}:{}",
+                    uri.scheme_str().unwrap_or("redis"),
+                    uri.host().unwrap_or("?"),
+                    uri.port_u16().unwrap_or(6379)
+                ),
+                Err(_) => f.write_str("redis"),
+            },
+        }
+    }
+}
+
+/// What a request does when the store fails or is slower than `store_timeout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreErrorPolicy {
+    /// `503` with `Retry-After`, nothing forwarded (fail closed).
+    Reject,
+    /// Forward without protection, logged and counted.
+    Pass,
+}
+
+/// The upstream every request goes to.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    /// The base URL as configured.
+    pub uri: Uri,
+    /// `host:port`.
+    pub authority: http::uri::Authority,
+    /// The base path without a trailing `/` (empty for the root).
+    pub base_path: String,
+}
+
+impl Upstream {
+    /// Reads an `http://host[:port][/base]` URL. `https` upstreams are refused: the gateway
+    /// speaks plain HTTP to the service beside it.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let uri: Uri = s.trim().parse().map_err(|e| {
+            format!("{s:?} is not a URL ({e}); expected e.g. \"http://127.0.0.1:3000\"")
+        })?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(format!(
+                    "{s:?} uses https, which the gateway does not speak to its upstream; \
+                     use an http:// URL to the service (run idemgate next to it)"
+                ));
+            }
+            _ => return Err(format!("{s:?} is not an http:// URL; expected e.g. \"http://127.0.0.1:3000\"")),
+        }
+        let authority = uri
+            .authority()
+            .filter(|a| !a.host().is_empty())
+            .cloned()
+            .ok_or_else(|| format!("{s:?} names no host; expected e.g. \"http://127.0.0.1:3000\""))?;
+        if uri.query().is_some() {
+            return Err(format!("{s:?} has a query; the upstream URL takes a base path only"));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_owned();
+        Ok(Self { uri, authority, base_path })
+    }
+}
+
+/// Connection limits, checked.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Cap on open client connections.
+    pub max_connections: usize,
+    /// Time a client gets to send a complete header block.
+    pub header_read_timeout: Duration,
+    /// Time an idle connection stays open.
+    pub idle_timeout: Duration,
+    /// Cap on header fields per request.
+    pub max_headers: usize,
+    /// Cap on a request's header block in bytes.
+    pub max_header_bytes: usize,
+}
+
+/// One route, checked.
+#[derive(Clone, Debug)]
+pub struct RouteSettings {
+    /// The path prefix.
+    pub prefix: String,
+    /// The policy the layer applies.
+    pub policy: RoutePolicy,
+}
+
+/// The whole configuration, checked and typed.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Proxy listener address.
+    pub listen: SocketAddr,
+    /// Admin listener address.
+    pub admin_listen: SocketAddr,
+    /// Where requests go.
+    pub upstream: Upstream,
+    /// Where records are kept.
+    pub store: StoreSpec,
+    /// Bound on one store call.
+    pub store_timeout: Duration,
+    /// What to do when the store fails.
+    pub on_store_error: StoreErrorPolicy,
+    /// Bound on the upstream's answer.
+    pub upstream_timeout: Duration,
+    /// Bound on connecting to the upstream.
+    pub upstream_connect_timeout: Duration,
+    /// Time in-flight requests get after SIGTERM.
+    pub shutdown_grace: Duration,
+    /// Bearer token for the admin record endpoints; none disables them.
+    pub admin_token: Option<String>,
+    /// Connection limits.
+    pub limits: Limits,
+    /// The policy for paths no route matches.
+    pub default_route: RoutePolicy,
+    /// Routes by path prefix.
+    pub routes: Vec<RouteSettings>,
+}
+
+impl Settings {
+    /// Reads `path` (when given), lays `overrides` over it and checks the result.
+    pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let file = match path {
+            Some(path) => FileConfig::read(path)?,
+            None => FileConfig::default(),
+        };
+        file.with_overrides(overrides).validate()
+    }
+
+    /// The names of every route, the default one first.
+    pub fn route_names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.default_route.route_name())
+            .chain(self.routes.iter().map(|r| r.policy.route_name()))
+    }
+
+    /// The policy named `name`.
+    pub fn route_by_name(&self, name: &str) -> Option<&RoutePolicy> {
+        if self.default_route.route_name() == name {
+            return Some(&self.default_route);
+        }
+        self.routes.iter().map(|r| &r.policy).find(|p| p.route_name() == name)
+    }
+}
+
+/// Name of the policy for paths no configured route matches.
+pub const DEFAULT_ROUTE_NAME: &str = "default";
+
+impl FileConfig {
+    /// Reads and parses a config file (without checking values).
+    pub fn read(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.to_owned(), source })
+    }
+
+    /// This file with command-line and environment values laid over it.
+    #[must_use]
+    pub fn with_overrides(mut self, o: &Overrides) -> Self {
+        fn lay(slot: &mut Option<String>, value: &Option<String>) {
+            if value.is_some() {
+                slot.clone_from(value);
+            }
+        }
+        lay(&mut self.listen, &o.listen);
+        lay(&mut self.admin_listen, &o.admin_listen);
+        lay(&mut self.upstream, &o.upstream);
+        lay(&mut self.store, &o.store);
+        lay(&mut self.ttl, &o.ttl);
+        lay(&mut self.admin_token, &o.admin_token);
+        self
+    }
+
+    /// Checks every value and builds the typed configuration.
+    pub fn validate(&self) -> Result<Settings, ConfigError> {
+        let listen = addr("listen", self.listen.as_deref().unwrap_or(DEFAULT_LISTEN))?;
+        let admin_listen =
+            addr("admin_listen", self.admin_listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN))?;
+        if listen == admin_listen && listen.port() != 0 {
+            return Err(ConfigError::invalid(
+                "admin_listen",
+                format!("{admin_listen} is also the proxy's listen address; give them different ports"),
+            ));
+        }
+        let upstream = match &self.upstream {
+            Some(u) => Upstream::parse(u).map_err(|m| ConfigError::invalid("upstream", m))?,
+            None => {
+                return Err(ConfigError::invalid(
+                    "upstream",
+                    "required: set --upstream, IDEMGATE_UPSTREAM or `upstream = \"http://HOST:PORT\"` in the config file",
+                ));
+            }
+        };
+        let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
+            .map_err(|m| ConfigError::invalid("store", m))?;
+        let store_timeout = positive_duration("store_timeout", &self.store_timeout, DEFAULT_STORE_TIMEOUT)?;
+        let on_store_error = match self.on_store_error.as_deref() {
+            None | Some("reject") => StoreErrorPolicy::Reject,
+            Some("pass") => StoreErrorPolicy::Pass,
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    "on_store_error",
+                    format!("{other:?} is not a choice; expected \"reject\" or \"pass\""),
+                ));
+            }
+        };
+        let upstream_timeout =
+            positive_duration("upstream_timeout", &self.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT)?;
+        let upstream_connect_timeout = positive_duration(
+            "upstream_connect_timeout",
+            &self.upstream_connect_timeout,
+            DEFAULT_UPSTREAM_CONNECT_TIMEOUT.min(upstream_timeout),
+        )?;
+        if upstream_connect_timeout > upstream_timeout {
+            return Err(ConfigError::invalid(
+                "upstream_connect_timeout",
+                format!(
+                    "{upstream_connect_timeout:?} is longer than upstream_timeout ({upstream_timeout:?}); \
+                     it must not exceed it"
+                ),
+            ));
+        }
+        let shutdown_grace = duration("shutdown_grace", &self.shutdown_grace, DEFAULT_SHUTDOWN_GRACE)?;
+        let ttl = self.ttl.as_ref().map(|t| parse_positive("ttl", t)).transpose()?;
+        let max_request_bytes = self
+            .max_request_bytes
+            .as_ref()
+            .map(|b| b.resolve("max_request_bytes"))
+            .transpose()?
+            .unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
+        let max_response_bytes = self
+            .max_response_bytes
+            .as_ref()
+            .map(|b| b.resolve("max_response_bytes"))
+            .transpose()?
+            .unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
+        let admin_token = self.admin_token()?;
+        let limits = self.limits.clone().unwrap_or_default().validate()?;
+
+        let mut default_route = RoutePolicy::api()
+            .name(DEFAULT_ROUTE_NAME)
+            .max_request_bytes(max_request_bytes)
+            .max_response_bytes(max_response_bytes);
+        if let Some(ttl) = ttl {
+            default_route = default_route.ttl(ttl);
+        }
+        let defaults = RouteDefaults { ttl, max_request_bytes, max_response_bytes };
+        let mut routes = Vec::with_capacity(self.routes.len());
+        let mut names = HashSet::from([DEFAULT_ROUTE_NAME.to_owned()]);
+        let mut prefixes = HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let field = format!("routes[{i}]");
+            let settings = route.validate(&field, &defaults)?;
+            if !names.insert(settings.policy.route_name().to_owned()) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is already used by another route (or is the reserved \"{DEFAULT_ROUTE_NAME}\"); \
+                         route names must be unique",
+                        settings.policy.route_name()
+                    ),
+                ));
+            }
+            if !prefixes.insert(settings.prefix.clone()) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.prefix"),
+                    format!("{:?} is already the prefix of another route", settings.prefix),
+                ));
+            }
+            routes.push(settings);
+        }
+        Ok(Settings {
+            listen,
+            admin_listen,
+            upstream,
+            store,
+            store_timeout,
+            on_store_error,
+            upstream_timeout,
+            upstream_connect_timeout,
+            shutdown_grace,
+            admin_token,
+            limits,
+            default_route,
+            routes,
+        })
+    }
+
+    fn admin_token(&self) -> Result<Option<String>, ConfigError> {
+        let token = match (&self.admin_token, &self.admin_token_env) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::invalid(
+                    "admin_token_env",
+                    "set either admin_token or admin_token_env, not both",
+                ));
+            }
+            (Some(t), None) => t.clone(),
+            (None, Some(var)) => std::env::var(var).map_err(|_| {
+                ConfigError::invalid(
+                    "admin_token_env",
+                    format!("environment variable {var:?} is not set (or not UTF-8)"),
+                )
+            })?,
+            (None, None) => return Ok(None),
+        };
+        let field = if self.admin_token.is_some() { "admin_token" } else { "admin_token_env" };
+        if token.len() < 16 {
+            return Err(ConfigError::invalid(field, "the admin token must be at least 16 characters"));
+        }
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::invalid(
+                field,
+                "the admin token must be visible ASCII without spaces (it is sent as a bearer token)",
+            ));
+        }
+        Ok(Some(token))
+    }
+}
+
+impl LimitsFile {
+    fn validate(self) -> Result<Limits, ConfigError> {
+        let max_connections = self.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        if !(1..=MAX_MAX_CONNECTIONS).contains(&max_connections) {
+            return Err(ConfigError::invalid(
+                "limits.max_connections",
+                format!("{max_connections} is out of range; expected 1 to {MAX_MAX_CONNECTIONS}"),
+            ));
+        }
+        let max_headers = self.max_headers.unwrap_or(DEFAULT_MAX_HEADERS);
+        if max_headers == 0 {
+            return Err(ConfigError::invalid("limits.max_headers", "must be at least 1"));
+        }
+        let max_header_bytes = self
+            .max_header_bytes
+            .as_ref()
+            .map(|b| b.resolve("limits.max_header_bytes"))
+            .transpose()?
+            .unwrap_or(DEFAULT_MAX_HEADER_BYTES);
+        if max_header_bytes < MIN_MAX_HEADER_BYTES || u32::try_from(max_header_bytes).is_err() {
+            return Err(ConfigError::invalid(
+                "limits.max_header_bytes",
+                format!("must be between {MIN_MAX_HEADER_BYTES} (8KiB) and 4GiB"),
+            ));
+        }
+        Ok(Limits {
+            max_connections,
+            header_read_timeout: positive_duration(
+                "limits.header_read_timeout",
+                &self.header_read_timeout,
+                DEFAULT_HEADER_READ_TIMEOUT,
+            )?,
+            idle_timeout: positive_duration("limits.idle_timeout", &self.idle_timeout, DEFAULT_IDLE_TIMEOUT)?,
+            max_headers,
+            max_header_bytes,
+        })
+    }
+}
+
+struct RouteDefaults {
+    ttl: Option<Duration>,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
+}
+
+impl RouteFile {
+    fn validate(&self, field: &str, defaults: &RouteDefaults) -> Result<RouteSettings, ConfigError> {
+        let f = |name: &str| format!("{field}.{name}");
+        let prefix = self.prefix.clone().ok_or_else(|| {
+            ConfigError::invalid(f("prefix"), "required: the path prefix the route covers, e.g. \"/payments\"")
+        })?;
+        if !prefix.starts_with('/') || prefix.contains(['?', '#']) || prefix.contains(char::is_whitespace) {
+            return Err(ConfigError::invalid(
+                f("prefix"),
+                format!("{prefix:?} is not a path prefix; expected one starting with \"/\", e.g. \"/payments\""),
+            ));
+        }
+        let name = self.name.clone().unwrap_or_else(|| prefix.clone());
+        if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::invalid(
+                f("name"),
+                format!("{name:?} is not a route name; expected 1–64 visible ASCII characters"),
+            ));
+        }
+        let preset = match &self.preset {
+            Some(p) => p.parse::<Preset>().map_err(|m| ConfigError::invalid(f("preset"), m))?,
+            None => Preset::Api,
+        };
+        let mut policy = RoutePolicy::preset(preset)
+            .name(name)
+            .max_request_bytes(defaults.max_request_bytes)
+            .max_response_bytes(defaults.max_response_bytes);
+        if let Some(ttl) = defaults.ttl {
+            policy = policy.ttl(ttl);
+        }
+        match (&self.key_header, &self.key_json_pointer) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::invalid(
+                    f("key_json_pointer"),
+                    "set either key_header or key_json_pointer, not both",
+                ));
+            }
+            (Some(h), None) => policy = policy.key(KeySource::Header(header_name(&f("key_header"), h)?)),
+            (None, Some(p)) => {
+                if !(p.starts_with('/') && p.len() > 1) {
+                    return Err(ConfigError::invalid(
+                        f("key_json_pointer"),
+                        format!("{p:?} is not a JSON pointer to a field; expected e.g. \"/id\" or \"/data/object/id\""),
+                    ));
+                }
+                policy = policy.key(KeySource::JsonPointer(p.clone()));
+            }
+            (None, None) => {}
+        }
+        if let Some(methods) = &self.methods {
+            let mut parsed = Vec::with_capacity(methods.len());
+            for (j, m) in methods.iter().enumerate() {
+                let upper = m.trim().to_ascii_uppercase();
+                let method = Method::from_bytes(upper.as_bytes())
+                    .ok()
+                    .filter(|_| !upper.is_empty())
+                    .ok_or_else(|| {
+                        ConfigError::invalid(
+                            format!("{field}.methods[{j}]"),
+                            format!("{m:?} is not an HTTP method; expected e.g. \"POST\""),
+                        )
+                    })?;
+                parsed.push(method);
+            }
+            if parsed.is_empty() {
+                return Err(ConfigError::invalid(
+                    f("methods"),
+                    "is empty; list at least one method, or remove the route",
+                ));
+            }
+            policy = policy.methods(parsed);
+        }
+        if let Some(require) = self.require_key {
+            policy = policy.require_key(require);
+        }
+        if let Some(ttl) = &self.ttl {
+            policy = policy.ttl(parse_positive(&f("ttl"), ttl)?);
+        }
+        let wait_timeout = self
+            .wait_timeout
+            .as_ref()
+            .map(|w| parse_positive(&f("wait_timeout"), w))
+            .transpose()?;
+        match self.concurrent.as_deref() {
+            None | Some("reject") => {
+                if wait_timeout.is_some() {
+                    return Err(ConfigError::invalid(
+                        f("wait_timeout"),
+                        "only applies with concurrent = \"wait\"",
+                    ));
+                }
+                policy = policy.concurrent(Concurrent::Reject);
+            }
+            Some("wait") => {
+                policy = policy.concurrent(Concurrent::Wait(wait_timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT)));
+            }
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    f("concurrent"),
+                    format!("{other:?} is not a choice; expected \"reject\" or \"wait\""),
+                ));
+            }
+        }
+        if let Some(headers) = &self.scope_headers {
+            policy = policy.scope_headers(header_list(&f("scope_headers"), headers)?);
+        }
+        if let Some(headers) = &self.fingerprint_headers {
+            policy = policy.fingerprint_headers(header_list(&f("fingerprint_headers"), headers)?);
+        }
+        if let Some(statuses) = &self.store_statuses {
+            policy = policy
+                .store_statuses(StatusSet::parse(statuses).map_err(|m| ConfigError::invalid(f("store_statuses"), m))?);
+        }
+        if let Some(outcome) = &self.unknown_outcome {
+            policy = policy.unknown_outcome(match outcome.as_str() {
+                "ambiguous" => UnknownOutcome::Ambiguous,
+                "retry" => UnknownOutcome::Retry,
+                other => {
+                    return Err(ConfigError::invalid(
+                        f("unknown_outcome"),
+                        format!("{other:?} is not a choice; expected \"ambiguous\" or \"retry\""),
+                    ));
+                }
+            });
+        }
+        if let Some(code) = self.mismatch_status {
+            let status = StatusCode::from_u16(code)
+                .ok()
+                .filter(StatusCode::is_client_error)
+                .ok_or_else(|| {
+                    ConfigError::invalid(
+                        f("mismatch_status"),
+                        format!("{code} is not a client-error status; expected 400–499, e.g. 422 or 409"),
+                    )
+                })?;
+            policy = policy.mismatch_status(status);
+        }
+        let lease = match &self.lease {
+            Some(l) => parse_positive(&f("lease"), l)?,
+            None => DEFAULT_LEASE,
+        };
+        if lease < Duration::from_millis(300) {
+            return Err(ConfigError::invalid(f("lease"), "must be at least 300ms (it is renewed at a third of it)"));
+        }
+        policy = policy.lease(lease);
+        if let Some(b) = &self.max_request_bytes {
+            policy = policy.max_request_bytes(b.resolve(&f("max_request_bytes"))?);
+        }
+        if let Some(b) = &self.max_response_bytes {
+            policy = policy.max_response_bytes(b.resolve(&f("max_response_bytes"))?);
+        }
+        if let Some(keep) = self.store_set_cookie {
+            policy = policy.store_set_cookie(keep);
+        }
+        Ok(RouteSettings { prefix, policy })
+    }
+}
+
+fn addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.trim().parse().map_err(|_| {
+        ConfigError::invalid(
+            field,
+            format!("{s:?} is not an address; expected IP:PORT, e.g. \"127.0.0.1:8080\" or \"[::1]:8080\""),
+        )
+    })
+}
+
+fn parse_positive(field: &str, s: &str) -> Result<Duration, ConfigError> {
+    let d = parse_duration(s).map_err(|m| ConfigError::invalid(field, m))?;
+    if d.is_zero() {
+        return Err(ConfigError::invalid(field, "must be longer than zero"));
+    }
+    Ok(d)
+}
+
+fn positive_duration(field: &str, value: &Option<String>, default: Duration) -> Result<Duration, ConfigError> {
+    value.as_ref().map_or(Ok(default), |s| parse_positive(field, s))
+}
+
+fn duration(field: &str, value: &Option<String>, default: Duration) -> Result<Duration, ConfigError> {
+    value
+        .as_ref()
+        .map_or(Ok(default), |s| parse_duration(s).map_err(|m| ConfigError::invalid(field, m)))
+}
+
+fn header_name(field: &str, s: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(s.trim().as_bytes()).map_err(|_| {
+        ConfigError::invalid(field, format!("{s:?} is not a header name; expected e.g. \"Idempotency-Key\""))
+    })
+}
+
+fn header_list(field: &str, list: &[String]) -> Result<Vec<HeaderName>, ConfigError> {
+    list.iter()
+        .enumerate()
+        .map(|(j, h)| header_name(&format!("{field}[{j}]"), h))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Settings, ConfigError> {
+        let file: FileConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: PathBuf::from("test.toml"),
+            source,
+        })?;
+        file.validate()
+    }
+
+    fn field_of(text: &str) -> String {
+        match parse(text) {
+            Ok(_) => panic!("config should have been refused:\n{text}"),
+            Err(e) => e.field().map(str::to_owned).unwrap_or_else(|| e.to_string()),
+        }
+    }
+
+    #[test]
+    fn durations_read_with_units() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("72h"), Ok(Duration::from_secs(3 * 86_400)));
+        assert_eq!(parse_duration("3d"), Ok(Duration::from_secs(3 * 86_400)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        for bad in ["", "30", "s", "30x", "-1s", "1.5s", "99999999999999999999d", "30 s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn sizes_read_with_units() {
+        assert_eq!(parse_byte_size("64KiB"), Ok(65_536));
+        assert_eq!(parse_byte_size("10MiB"), Ok(10 << 20));
+        assert_eq!(parse_byte_size("1MB"), Ok(1_000_000));
+        assert_eq!(parse_byte_size("512"), Ok(512));
+        assert!(parse_byte_size("10 parsecs").is_err());
+        assert!(parse_byte_size("MiB").is_err());
+    }
+
+    #[test]
+    fn upstream_only_takes_http() {
+        let u = Upstream::parse("http://127.0.0.1:3000/api/").unwrap();
+        assert_eq!(u.base_path, "/api");
+        assert_eq!(u.authority.as_str(), "127.0.0.1:3000");
+        assert_eq!(Upstream::parse("http://localhost:3000").unwrap().base_path, "");
+        let err = Upstream::parse("https://example.test").unwrap_err();
+        assert!(err.contains("https"), "{err}");
+        assert!(Upstream::parse("ftp://x").is_err());
+        assert!(Upstream::parse("127.0.0.1:3000").is_err());
+        assert!(Upstream::parse("http://h/?q=1").is_err());
+    }
+
+    #[test]
+    fn store_specs() {
+        assert_eq!(StoreSpec::parse("memory"), Ok(StoreSpec::Memory));
+        assert_eq!(StoreSpec::parse("redb:/data/x.redb"), Ok(StoreSpec::Redb("/data/x.redb".into())));
+        assert_eq!(
+            StoreSpec::parse("redis://127.0.0.1:6379/2"),
+            Ok(StoreSpec::Redis("redis://127.0.0.1:6379/2".into()))
+        );
+        for bad in ["redb:", "postgres://x", "mem", "redis://"] {
+            assert!(StoreSpec::parse(bad).is_err(), "{bad:?} should be refused");
+        }
+        let shown = StoreSpec::Redis("redis://user:secret@cache:6380/1".into()).to_string();
+        assert!(!shown.contains("secret"), "{shown}");
+    }
+
+    #[test]
+    fn minimal_config_takes_defaults() {
+        let s = parse("upstream = \"http://127.0.0.1:3000\"").unwrap();
+        assert_eq!(s.listen, DEFAULT_LISTEN.parse().unwrap());
+        assert_eq!(s.admin_listen, DEFAULT_ADMIN_LISTEN.parse().unwrap());
+        assert_eq!(s.store, StoreSpec::parse(DEFAULT_STORE).unwrap());
+        assert_eq!(s.store_timeout, DEFAULT_STORE_TIMEOUT);
+        assert_eq!(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
+        assert_eq!(s.on_store_error, StoreErrorPolicy::Reject);
+        assert_eq!(s.limits.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert!(s.admin_token.is_none());
+        assert!(s.routes.is_empty());
+        assert_eq!(s.default_route.route_name(), DEFAULT_ROUTE_NAME);
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let file: FileConfig =
+            toml::from_str("upstream = \"http://127.0.0.1:1\"\nlisten = \"127.0.0.1:1000\"\nttl = \"1h\"").unwrap();
+        let o = Overrides {
+            listen: Some("127.0.0.1:2000".into()),
+            ttl: Some("2h".into()),
+            ..Overrides::default()
+        };
+        let s = file.with_overrides(&o).validate().unwrap();
+        assert_eq!(s.listen.port(), 2000);
+        assert_eq!(s.upstream.authority.as_str(), "127.0.0.1:1");
+        assert_eq!(s.default_route.ttl, Duration::from_secs(7200));
+    }
+
+    #[test]
+    fn routes_build_policies() {
+        let s = parse(
+            r#"
+            upstream = "http://127.0.0.1:3000"
+            ttl = "12h"
+            [[routes]]
+            prefix = "/webhooks/github"
+            name = "github"
+            preset = "webhook"
+            key_header = "X-GitHub-Delivery"
+            scope_headers = []
+            [[routes]]
+            prefix = "/payments"
+            methods = ["post", "PUT"]
+            require_key = true
+            concurrent = "wait"
+            wait_timeout = "5s"
+            store_statuses = ["2xx", "4xx", "!429"]
+            unknown_outcome = "retry"
+            mismatch_status = 409
+            ttl = "1h"
+            lease = "10s"
+            max_request_bytes = "1MiB"
+            "#,
+        )
+        .unwrap();
+        let gh = &s.routes[0].policy;
+        assert_eq!(gh.route_name(), "github");
+        assert_eq!(gh.key, KeySource::Header(HeaderName::from_static("x-github-delivery")));
+        assert!(gh.scope_headers.is_empty());
+        assert_eq!(gh.ttl, Duration::from_secs(12 * 3600), "top-level ttl applies when the route has none");
+        assert_eq!(gh.unknown_outcome, UnknownOutcome::Retry);
+        let pay = &s.routes[1].policy;
+        assert_eq!(pay.route_name(), "/payments");
+        assert_eq!(pay.methods, vec![Method::POST, Method::PUT]);
+        assert!(pay.require_key);
+        assert_eq!(pay.concurrent, Concurrent::Wait(Duration::from_secs(5)));
+        assert!(pay.store_statuses.contains(StatusCode::NOT_FOUND));
+        assert!(!pay.store_statuses.contains(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(pay.mismatch_status, StatusCode::CONFLICT);
+        assert_eq!(pay.ttl, Duration::from_secs(3600));
+        assert_eq!(pay.lease, Duration::from_secs(10));
+        assert_eq!(pay.max_request_bytes, 1 << 20);
+        assert!(s.route_by_name("github").is_some());
+        assert_eq!(s.route_names().count(), 3);
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let up = "upstream = \"http://127.0.0.1:3000\"\n";
+        assert_eq!(field_of(""), "upstream");
+        assert_eq!(field_of("upstream = \"https://x\""), "upstream");
+        assert_eq!(field_of(&format!("{up}listen = \"localhost\"")), "listen");
+        assert_eq!(field_of(&format!("{up}store = \"sqlite:x\"")), "store");
+        assert_eq!(field_of(&format!("{up}store_timeout = \"2 seconds\"")), "store_timeout");
+        assert_eq!(field_of(&format!("{up}store_timeout = \"0s\"")), "store_timeout");
+        assert_eq!(field_of(&format!("{up}on_store_error = \"ignore\"")), "on_store_error");
+        assert_eq!(field_of(&format!("{up}admin_token = \"short\"")), "admin_token");
+        assert_eq!(
+            field_of(&format!("{up}upstream_timeout = \"1s\"\nupstream_connect_timeout = \"2s\"")),
+            "upstream_connect_timeout"
+        );
+        assert_eq!(field_of(&format!("{up}[limits]\nmax_connections = 0")), "limits.max_connections");
+        assert_eq!(field_of(&format!("{up}[limits]\nmax_header_bytes = 100")), "limits.max_header_bytes");
+        assert_eq!(field_of(&format!("{up}[[routes]]\nname = \"x\"")), "routes[0].prefix");
+        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"payments\"")), "routes[0].prefix");
+        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"fast\"")), "routes[0].preset");
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"bad header\"")),
+            "routes[0].key_header"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"a\"\nkey_json_pointer = \"/id\"")),
+            "routes[0].key_json_pointer"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_json_pointer = \"id\"")),
+            "routes[0].key_json_pointer"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nmethods = [\"POST\", \"GE T\"]")),
+            "routes[0].methods[1]"
+        );
+        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nttl = \"forever\"")), "routes[0].ttl");
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nconcurrent = \"queue\"")),
+            "routes[0].concurrent"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nwait_timeout = \"1s\"")),
+            "routes[0].wait_timeout"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nstore_statuses = [\"2xx\", \"6xx\"]")),
+            "routes[0].store_statuses"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nunknown_outcome = \"maybe\"")),
+            "routes[0].unknown_outcome"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nmismatch_status = 200")),
+            "routes[0].mismatch_status"
+        );
+        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nlease = \"10ms\"")), "routes[0].lease");
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\n[[routes]]\nprefix = \"/b\"\nname = \"/a\"")),
+            "routes[1].name"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nname = \"x\"\n[[routes]]\nprefix = \"/a\"\nname = \"y\"")),
+            "routes[1].prefix"
+        );
+    }
+
+    #[test]
+    fn sample_configs_load_and_validate() {
+        let s = parse(include_str!("../../config/idemgate.toml")).unwrap();
+        assert_eq!(s.routes.len(), 2);
+        let pay = s.route_by_name("payments").unwrap();
+        assert!(pay.require_key);
+        assert_eq!(pay.concurrent, Concurrent::Wait(Duration::from_secs(10)));
+        assert_eq!(s.route_by_name("orders").unwrap().mismatch_status, StatusCode::CONFLICT);
+
+        let s = parse(include_str!("../../config/webhooks.toml")).unwrap();
+        let by_name = |n: &str| s.route_by_name(n).unwrap_or_else(|| panic!("route {n}"));
+        let header = |n: &'static str| KeySource::Header(HeaderName::from_static(n));
+        assert_eq!(by_name("github").key, header("x-github-delivery"));
+        assert_eq!(by_name("stripe").key, KeySource::JsonPointer("/id".into()));
+        assert_eq!(by_name("shopify").key, header("x-shopify-webhook-id"));
+        assert_eq!(by_name("standard-webhooks").key, header("webhook-id"));
+        for route in &s.routes {
+            let p = &route.policy;
+            assert_eq!(p.unknown_outcome, UnknownOutcome::Retry, "{} is a webhook route", p.route_name());
+            assert_eq!(p.store_statuses, Preset::Webhook.store_statuses());
+            assert_eq!(p.ttl, Duration::from_secs(72 * 3600));
+            assert!(p.require_key && p.scope_headers.is_empty());
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let err = parse("upstream = \"http://127.0.0.1:3000\"\nlisen = \"127.0.0.1:1\"").unwrap_err();
+        assert!(err.to_string().contains("lisen"), "{err}");
+        let err = parse("upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/a\"\nkey = \"x\"").unwrap_err();
+        assert!(err.to_string().contains("key"), "{err}");
+    }
+}

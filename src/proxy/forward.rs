@@ -1,0 +1,360 @@
+//! The innermost service: sends each request to the configured upstream over a pooled
+//! keep-alive client and streams the response back.
+//!
+//! The upstream comes only from the config. The request's path and query are appended to the
+//! upstream's base URL; the client's `Host`, an absolute-form target or `X-Forwarded-Host`
+//! never choose where a request goes. Hop-by-hop headers are stripped both ways, then
+//! `X-Forwarded-For`, `X-Forwarded-Proto` and `X-Forwarded-Host` are added.
+//!
+//! When the upstream gives no response the forwarder answers with the layer's problem
+//! response and marks it with [`UpstreamFailure`], so the layer knows whether anything was
+//! sent (release the key) or not known (the route's `unknown_outcome`).
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{HOST, HeaderName, HeaderValue};
+use http::uri::{PathAndQuery, Scheme};
+use http::{Request, Response, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tower_service::Service;
+
+use super::config::Upstream;
+use super::metrics::{Metrics, UpstreamErrorKind};
+use crate::headers::strip_hop_by_hop;
+use crate::response::{IDEMPOTENT_REPLAYED, Problem, UpstreamFailure};
+
+/// `X-Forwarded-For`.
+pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+/// `X-Forwarded-Proto`.
+pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+/// `X-Forwarded-Host`.
+pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// How long an unused pooled upstream connection is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The address of the client a request came from, put on each request by the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientAddr(pub SocketAddr);
+
+/// Sends requests with bodies of type `B` to the upstream.
+pub struct Forwarder<B> {
+    client: Client<HttpConnector, B>,
+    shared: Arc<ForwarderShared>,
+}
+
+struct ForwarderShared {
+    upstream: Upstream,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl<B> Clone for Forwarder<B> {
+    fn clone(&self) -> Self {
+        Self { client: self.client.clone(), shared: Arc::clone(&self.shared) }
+    }
+}
+
+impl<B> Forwarder<B>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    /// A forwarder to `upstream` that waits at most `timeout` for a response head and at most
+    /// `connect_timeout` for a new connection.
+    pub fn new(upstream: Upstream, timeout: Duration, connect_timeout: Duration, metrics: Arc<Metrics>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(connector);
+        Self { client, shared: Arc::new(ForwarderShared { upstream, timeout, metrics }) }
+    }
+}
+
+impl<B> Service<Request<B>> for Forwarder<B>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let client = self.client.clone();
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move { Ok(forward(client, &shared, req).await) })
+    }
+}
+
+async fn forward<B>(client: Client<HttpConnector, B>, shared: &ForwarderShared, req: Request<B>) -> Response<ProxyBody>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (mut parts, body) = req.into_parts();
+    let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.0.ip());
+    let original_host = original_host(&parts.headers, &parts.uri);
+    let Some(uri) = upstream_uri(&shared.upstream, &parts.uri) else {
+        // Only a target that cannot be joined to the base URL gets here; nothing was sent.
+        return upstream_failure(UpstreamErrorKind::Unreachable, shared);
+    };
+    prepare_request_headers(&mut parts.headers, client_ip, original_host);
+    parts.uri = uri;
+    // The upstream connection is HTTP/1.1 whatever the client spoke (h2c included).
+    parts.version = Version::HTTP_11;
+    let request = Request::from_parts(parts, body);
+
+    let started = Instant::now();
+    let result = tokio::time::timeout(shared.timeout, client.request(request)).await;
+    match result {
+        Ok(Ok(response)) => {
+            shared.metrics.observe_upstream(started.elapsed());
+            let (mut parts, body) = response.into_parts();
+            prepare_response_headers(&mut parts.headers);
+            Response::from_parts(parts, ProxyBody::upstream(body))
+        }
+        Ok(Err(error)) => {
+            let kind = if error.is_connect() { UpstreamErrorKind::Unreachable } else { UpstreamErrorKind::Reset };
+            tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
+            upstream_failure(kind, shared)
+        }
+        Err(_) => {
+            tracing::warn!(after_ms = shared.timeout.as_millis() as u64, "upstream timed out");
+            upstream_failure(UpstreamErrorKind::Timeout, shared)
+        }
+    }
+}
+
+/// The answer when the upstream gave none: the layer's problem response, marked with what
+/// happened to the request.
+fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Response<ProxyBody> {
+    shared.metrics.count_upstream_error(kind);
+    let (problem, failure) = match kind {
+        UpstreamErrorKind::Unreachable => (Problem::upstream_unreachable(), UpstreamFailure::NotSent),
+        UpstreamErrorKind::Timeout => (Problem::upstream_timeout(shared.timeout), UpstreamFailure::Unknown),
+        UpstreamErrorKind::Reset => (Problem::response_interrupted(), UpstreamFailure::Unknown),
+    };
+    let mut response = problem.into_response().map(ProxyBody::full);
+    response.extensions_mut().insert(failure);
+    response
+}
+
+/// The client's `Host` (or, over HTTP/2, the `:authority`), as sent.
+fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
+    headers
+        .get(HOST)
+        .cloned()
+        .or_else(|| uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()))
+}
+
+/// The upstream target: the configured base URL followed by the request's path and query.
+/// Nothing of the client's target but its path and query is used.
+pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
+    let pq = target.path_and_query().map_or("/", PathAndQuery::as_str);
+    let pq = if pq.starts_with('/') { pq.to_owned() } else { format!("/{pq}") };
+    let path_and_query: PathAndQuery = format!("{}{pq}", upstream.base_path).parse().ok()?;
+    Uri::builder()
+        .scheme(Scheme::HTTP)
+        .authority(upstream.authority.clone())
+        .path_and_query(path_and_query)
+        .build()
+        .ok()
+}
+
+/// Makes a client's headers fit to send upstream: hop-by-hop fields and headers only
+/// idemgate sets are removed, `Host` is left for the client to set from the upstream URL,
+/// and the `X-Forwarded-*` fields are added.
+pub fn prepare_request_headers(headers: &mut http::HeaderMap, client_ip: Option<IpAddr>, original_host: Option<HeaderValue>) {
+    strip_hop_by_hop(headers);
+    headers.remove(IDEMPOTENT_REPLAYED);
+    headers.remove(HOST);
+    if let Some(ip) = client_ip {
+        append_forwarded_for(headers, ip);
+    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    match original_host {
+        Some(host) => {
+            headers.insert(X_FORWARDED_HOST, host);
+        }
+        None => {
+            headers.remove(X_FORWARDED_HOST);
+        }
+    }
+}
+
+/// Appends `ip` to the `X-Forwarded-For` chain, joining earlier fields into one.
+fn append_forwarded_for(headers: &mut http::HeaderMap, ip: IpAddr) {
+    let mut chain = String::new();
+    for value in headers.get_all(&X_FORWARDED_FOR) {
+        if let Ok(v) = value.to_str() {
+            let v = v.trim();
+            if !v.is_empty() {
+                chain.push_str(v);
+                chain.push_str(", ");
+            }
+        }
+    }
+    chain.push_str(&ip.to_string());
+    headers.remove(&X_FORWARDED_FOR);
+    if let Ok(value) = HeaderValue::from_str(&chain) {
+        headers.insert(X_FORWARDED_FOR, value);
+    }
+}
+
+/// Makes an upstream's headers fit to send to the client: hop-by-hop fields and a forged
+/// `Idempotent-Replayed` are removed.
+pub fn prepare_response_headers(headers: &mut http::HeaderMap) {
+    strip_hop_by_hop(headers);
+    headers.remove(IDEMPOTENT_REPLAYED);
+}
+
+/// Formats an error with its chain of causes on one line.
+struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+/// A response body: the upstream's, streamed, or one the gateway made.
+#[derive(Debug)]
+pub struct ProxyBody {
+    inner: ProxyBodyInner,
+}
+
+#[derive(Debug)]
+enum ProxyBodyInner {
+    Upstream(Incoming),
+    Full(Option<Bytes>),
+}
+
+impl ProxyBody {
+    fn upstream(body: Incoming) -> Self {
+        Self { inner: ProxyBodyInner::Upstream(body) }
+    }
+
+    /// A body of `bytes`, sent whole.
+    pub fn full(bytes: Bytes) -> Self {
+        Self { inner: ProxyBodyInner::Full(Some(bytes).filter(|b| !b.is_empty())) }
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut self.get_mut().inner {
+            ProxyBodyInner::Upstream(body) => Pin::new(body).poll_frame(cx),
+            ProxyBodyInner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            ProxyBodyInner::Upstream(body) => body.is_end_stream(),
+            ProxyBodyInner::Full(bytes) => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            ProxyBodyInner::Upstream(body) => body.size_hint(),
+            ProxyBodyInner::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream(s: &str) -> Upstream {
+        Upstream::parse(s).unwrap()
+    }
+
+    #[test]
+    fn target_comes_only_from_the_config() {
+        let up = upstream("http://127.0.0.1:3000");
+        let cases = [
+            ("/pay?x=1", "http://127.0.0.1:3000/pay?x=1"),
+            ("http://evil.test:666/pay?x=1", "http://127.0.0.1:3000/pay?x=1"),
+            ("*", "http://127.0.0.1:3000/*"),
+            ("/", "http://127.0.0.1:3000/"),
+        ];
+        for (target, want) in cases {
+            let got = upstream_uri(&up, &target.parse().unwrap()).unwrap();
+            assert_eq!(got.to_string(), want, "target {target}");
+        }
+        let based = upstream("http://127.0.0.1:3000/api/");
+        let got = upstream_uri(&based, &"/v1/pay".parse().unwrap()).unwrap();
+        assert_eq!(got.to_string(), "http://127.0.0.1:3000/api/v1/pay");
+    }
+
+    #[test]
+    fn request_headers_lose_hop_by_hop_and_gain_forwarded() {
+        let mut h = http::HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, x-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert("proxy-authorization", HeaderValue::from_static("Basic eA=="));
+        h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        h.insert("host", HeaderValue::from_static("public.example"));
+        h.insert("x-forwarded-host", HeaderValue::from_static("spoofed.example"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
+        let host = h.get(HOST).cloned();
+        prepare_request_headers(&mut h, Some("192.0.2.7".parse().unwrap()), host);
+        for gone in ["connection", "x-hop", "keep-alive", "te", "upgrade", "proxy-authorization", "idempotent-replayed", "host"] {
+            assert!(!h.contains_key(gone), "{gone} should be stripped");
+        }
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 192.0.2.7");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "public.example");
+        assert_eq!(h["idempotency-key"], "k1", "the key is forwarded so the upstream can deduplicate too");
+    }
+
+    #[test]
+    fn response_headers_lose_hop_by_hop_and_forged_replay_marks() {
+        let mut h = http::HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("x-internal"));
+        h.insert("x-internal", HeaderValue::from_static("1"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
+        h.insert("trailer", HeaderValue::from_static("x-sum"));
+        h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        h.insert("content-type", HeaderValue::from_static("application/json"));
+        prepare_response_headers(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("content-type"));
+    }
+}

@@ -1,0 +1,453 @@
+//! Counters and latency histograms, written out in the Prometheus text format by the admin
+//! listener. Label sets are bounded: routes come from the config, outcomes, store operations
+//! and upstream error kinds are fixed lists.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
+use crate::store::{Claim, ClaimOptions, Store, StoreError, Transition};
+
+/// Upper bounds of the latency histogram buckets, in seconds.
+const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+];
+
+/// A latency histogram with fixed buckets.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// How many observations were recorded.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn write(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            cumulative += self.counts[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+        } else {
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}");
+        }
+    }
+}
+
+/// Why an upstream call produced no response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpstreamErrorKind {
+    /// Connection refused, unreachable or connect timeout: nothing was sent.
+    Unreachable,
+    /// No response head within `upstream_timeout`.
+    Timeout,
+    /// The connection failed after the request was sent.
+    Reset,
+}
+
+impl UpstreamErrorKind {
+    const ALL: [Self; 3] = [Self::Unreachable, Self::Timeout, Self::Reset];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unreachable => "unreachable",
+            Self::Timeout => "timeout",
+            Self::Reset => "reset",
+        }
+    }
+}
+
+/// The store operations that are timed.
+#[derive(Clone, Copy, Debug)]
+enum StoreOp {
+    Claim,
+    Complete,
+    Release,
+    Renew,
+    MarkAmbiguous,
+    Get,
+    Delete,
+    Ping,
+}
+
+impl StoreOp {
+    const ALL: [Self; 8] = [
+        Self::Claim,
+        Self::Complete,
+        Self::Release,
+        Self::Renew,
+        Self::MarkAmbiguous,
+        Self::Get,
+        Self::Delete,
+        Self::Ping,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Complete => "complete",
+            Self::Release => "release",
+            Self::Renew => "renew",
+            Self::MarkAmbiguous => "mark_ambiguous",
+            Self::Get => "get",
+            Self::Delete => "delete",
+            Self::Ping => "ping",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct StoreOpMetrics {
+    duration: Histogram,
+    errors: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+/// Values read from the layer at scrape time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LayerCounters {
+    /// Store calls the layer saw fail or time out.
+    pub store_errors: u64,
+    /// Completions refused because another owner had taken the record over.
+    pub fenced_completions: u64,
+    /// Requests forwarded without protection (`on_store_error = "pass"`).
+    pub unprotected_passes: u64,
+    /// Records this gateway holds in flight now.
+    pub in_flight: u64,
+}
+
+/// Everything the gateway counts.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(Arc<str>, &'static str), u64>>,
+    upstream: Histogram,
+    upstream_errors: [AtomicU64; 3],
+    store_ops: [StoreOpMetrics; 8],
+    store_backend: Mutex<&'static str>,
+    open_connections: AtomicU64,
+}
+
+impl Metrics {
+    /// Empty metrics.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Counts one handled request.
+    pub fn count_request(&self, route: &Arc<str>, outcome: &'static str) {
+        let mut requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *requests.entry((Arc::clone(route), outcome)).or_insert(0) += 1;
+    }
+
+    /// How many requests were counted for `route` and `outcome`.
+    pub fn requests(&self, route: &str, outcome: &str) -> u64 {
+        let requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        requests
+            .iter()
+            .filter(|((r, o), _)| &**r == route && *o == outcome)
+            .map(|(_, n)| *n)
+            .sum()
+    }
+
+    /// Records how long the upstream took to answer with a response head.
+    pub fn observe_upstream(&self, elapsed: Duration) {
+        self.upstream.observe(elapsed);
+    }
+
+    /// Counts an upstream call that produced no response.
+    pub fn count_upstream_error(&self, kind: UpstreamErrorKind) {
+        self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a client connection opened (`+1`) or closed (`-1`).
+    pub fn connection_opened(&self) {
+        self.open_connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a client connection closed.
+    pub fn connection_closed(&self) {
+        self.open_connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Writes every metric in the Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self, layer: LayerCounters) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        out.push_str(
+            "# HELP idemgate_requests_total Requests handled, by route and the gateway's decision.\n\
+             # TYPE idemgate_requests_total counter\n",
+        );
+        {
+            let requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for ((route, outcome), n) in requests.iter() {
+                let _ = writeln!(
+                    out,
+                    "idemgate_requests_total{{route=\"{}\",outcome=\"{outcome}\"}} {n}",
+                    escape_label(route)
+                );
+            }
+        }
+        out.push_str(
+            "# HELP idemgate_upstream_duration_seconds Time from sending a request upstream to its response head.\n\
+             # TYPE idemgate_upstream_duration_seconds histogram\n",
+        );
+        self.upstream.write(&mut out, "idemgate_upstream_duration_seconds", "");
+        out.push_str(
+            "# HELP idemgate_upstream_errors_total Upstream calls that produced no response, by kind.\n\
+             # TYPE idemgate_upstream_errors_total counter\n",
+        );
+        for kind in UpstreamErrorKind::ALL {
+            let n = self.upstream_errors[kind as usize].load(Ordering::Relaxed);
+            let _ = writeln!(out, "idemgate_upstream_errors_total{{kind=\"{}\"}} {n}", kind.as_str());
+        }
+        let backend = *self.store_backend.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        out.push_str(
+            "# HELP idemgate_store_duration_seconds Time one store call took, by operation.\n\
+             # TYPE idemgate_store_duration_seconds histogram\n",
+        );
+        for op in StoreOp::ALL {
+            let labels = format!("backend=\"{backend}\",op=\"{}\"", op.as_str());
+            self.store_ops[op as usize].duration.write(&mut out, "idemgate_store_duration_seconds", &labels);
+        }
+        out.push_str(
+            "# HELP idemgate_store_call_errors_total Store calls that returned an error, by operation.\n\
+             # TYPE idemgate_store_call_errors_total counter\n",
+        );
+        for op in StoreOp::ALL {
+            let n = self.store_ops[op as usize].errors.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "idemgate_store_call_errors_total{{backend=\"{backend}\",op=\"{}\"}} {n}",
+                op.as_str()
+            );
+        }
+        out.push_str(
+            "# HELP idemgate_store_calls_abandoned_total Store calls given up before they answered (store_timeout).\n\
+             # TYPE idemgate_store_calls_abandoned_total counter\n",
+        );
+        for op in StoreOp::ALL {
+            let n = self.store_ops[op as usize].cancelled.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "idemgate_store_calls_abandoned_total{{backend=\"{backend}\",op=\"{}\"}} {n}",
+                op.as_str()
+            );
+        }
+        let gauges = [
+            (
+                "idemgate_store_errors_total",
+                "counter",
+                "Store calls the gateway saw fail or time out.",
+                layer.store_errors,
+            ),
+            (
+                "idemgate_fenced_completions_total",
+                "counter",
+                "Completions refused because another owner had taken the record over.",
+                layer.fenced_completions,
+            ),
+            (
+                "idemgate_unprotected_passes_total",
+                "counter",
+                "Requests forwarded without protection because the store was down (on_store_error = \"pass\").",
+                layer.unprotected_passes,
+            ),
+            (
+                "idemgate_records_in_flight",
+                "gauge",
+                "Records this gateway holds in flight now.",
+                layer.in_flight,
+            ),
+            (
+                "idemgate_open_connections",
+                "gauge",
+                "Client connections open now.",
+                self.open_connections.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, help, value) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        out
+    }
+}
+
+fn escape_label(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A [`Store`] that times every call of the store it wraps and counts its errors.
+///
+/// A call the layer abandons (its `store_timeout` passed) is counted as abandoned when its
+/// future is dropped.
+pub struct InstrumentedStore {
+    inner: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+}
+
+impl InstrumentedStore {
+    /// Wraps `inner`, reporting into `metrics`.
+    pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
+        *metrics.store_backend.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = inner.backend();
+        Self { inner, metrics }
+    }
+
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let mut guard = CallGuard { op: &self.metrics.store_ops[op as usize], start: Instant::now(), done: false };
+        let result = call.await;
+        guard.done = true;
+        guard.op.duration.observe(guard.start.elapsed());
+        if result.is_err() {
+            guard.op.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+struct CallGuard<'a> {
+    op: &'a StoreOpMetrics,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.op.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.op.duration.observe(self.start.elapsed());
+        }
+    }
+}
+
+#[async_trait]
+impl Store for InstrumentedStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        self.timed(StoreOp::Claim, self.inner.claim(key, fingerprint, options)).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.timed(StoreOp::Complete, self.inner.complete(key, token, completion, ttl)).await
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        self.timed(StoreOp::Release, self.inner.release(key, token)).await
+    }
+
+    async fn renew(&self, key: &RecordKey, token: OwnerToken, lease: Duration) -> Result<Transition, StoreError> {
+        self.timed(StoreOp::Renew, self.inner.renew(key, token, lease)).await
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.timed(StoreOp::MarkAmbiguous, self.inner.mark_ambiguous(key, token, ttl)).await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.timed(StoreOp::Get, self.inner.get(key)).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.timed(StoreOp::Delete, self.inner.delete(key)).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.timed(StoreOp::Ping, self.inner.ping()).await
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::default();
+        h.observe(Duration::from_millis(3));
+        h.observe(Duration::from_millis(30));
+        h.observe(Duration::from_secs(100));
+        let mut out = String::new();
+        h.write(&mut out, "x", "");
+        assert!(out.contains("x_bucket{le=\"0.005\"} 1\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"0.05\"} 2\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"60\"} 2\n"), "{out}");
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
+        assert!(out.contains("x_count 3\n"), "{out}");
+    }
+
+    #[test]
+    fn requests_render_by_route_and_outcome() {
+        let m = Metrics::new();
+        let route: Arc<str> = Arc::from("pay\"ments");
+        m.count_request(&route, "executed");
+        m.count_request(&route, "executed");
+        m.count_request(&route, "replayed");
+        let text = m.render(LayerCounters { in_flight: 4, ..LayerCounters::default() });
+        assert!(text.contains("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n"), "{text}");
+        assert!(text.contains("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n"), "{text}");
+        assert!(text.contains("idemgate_records_in_flight 4\n"), "{text}");
+        assert_eq!(m.requests("pay\"ments", "executed"), 2);
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let value = line.rsplit(' ').next().unwrap_or("");
+            assert!(value.parse::<f64>().is_ok(), "bad sample line {line:?}");
+        }
+    }
+}

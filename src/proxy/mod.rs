@@ -1,0 +1,158 @@
+//! The `idemgate` reverse proxy: the layer in front of any HTTP upstream.
+//!
+//! ```text
+//! idemgate [--config FILE] [--listen ADDR] [--upstream URL] [--store STORE] [--ttl DURATION] [--admin-listen ADDR]
+//! idemgate --check-config --config FILE
+//! STORE: memory | redb:PATH | redis://HOST:PORT[/DB]
+//! ```
+//!
+//! - [`config`]: the TOML file, overrides and validation.
+//! - [`forward`]: the pooled client to the upstream, header rules.
+//! - [`server`]: the listeners, connection limits, graceful shutdown.
+//! - [`admin`]: health, readiness, metrics and the record endpoints.
+//! - [`metrics`]: counters, histograms and the instrumented store.
+
+pub mod admin;
+pub mod config;
+pub mod forward;
+pub mod metrics;
+pub mod server;
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+
+use self::config::{Overrides, Settings};
+
+/// The command line. Every option can also come from an `IDEMGATE_*` environment variable;
+/// a flag wins over the variable, and both win over the config file.
+#[derive(Debug, Parser)]
+#[command(name = "idemgate", version, about = "HTTP idempotency-key gateway: runs each keyed request once and replays its response to retries")]
+pub struct Cli {
+    /// TOML config file (see config/idemgate.toml).
+    #[arg(long, env = "IDEMGATE_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Proxy listener address [default: 127.0.0.1:8080].
+    #[arg(long, env = "IDEMGATE_LISTEN", value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// The upstream's base URL, e.g. http://127.0.0.1:3000.
+    #[arg(long, env = "IDEMGATE_UPSTREAM", value_name = "URL")]
+    pub upstream: Option<String>,
+    /// memory | redb:PATH | redis://HOST:PORT[/DB] [default: redb:./data/idemgate.redb].
+    #[arg(long, env = "IDEMGATE_STORE", value_name = "STORE")]
+    pub store: Option<String>,
+    /// Record lifetime for routes that do not set their own (30s, 24h, 3d).
+    #[arg(long, env = "IDEMGATE_TTL", value_name = "DURATION")]
+    pub ttl: Option<String>,
+    /// Admin listener address [default: 127.0.0.1:9090].
+    #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<String>,
+    /// Bearer token for the admin record endpoints (prefer the environment variable).
+    #[arg(long, env = "IDEMGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Log line format.
+    #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Check the configuration, print `ok` and exit.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl Cli {
+    /// The values that override the config file.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            listen: self.listen.clone(),
+            admin_listen: self.admin_listen.clone(),
+            upstream: self.upstream.clone(),
+            store: self.store.clone(),
+            ttl: self.ttl.clone(),
+            admin_token: self.admin_token.clone(),
+        }
+    }
+}
+
+/// Runs the command line: checks the configuration, or runs the gateway until SIGTERM or
+/// SIGINT. Errors are written to standard error and give a failing exit code.
+pub fn run_cli(cli: &Cli) -> ExitCode {
+    let settings = match Settings::load(cli.config.as_deref(), &cli.overrides()) {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("idemgate: invalid configuration: {}", error_chain(&error));
+            return ExitCode::from(2);
+        }
+    };
+    if cli.check_config {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "ok: upstream {}, store {}, {} route(s)",
+            settings.upstream.uri,
+            settings.store,
+            settings.routes.len()
+        );
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("idemgate: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(server::run(settings, shutdown_signal())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(error = %error_chain(&error), "idemgate could not start");
+            eprintln!("idemgate: {}", error_chain(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received"),
+                    _ = int.recv() => tracing::info!("SIGINT received"),
+                }
+            }
+            _ => {
+                tracing::warn!("cannot install signal handlers; falling back to Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// An error and its causes on one line.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,510 @@
+//! The listeners: the proxy (HTTP/1.1 and h2c, hardened) with the layer in front of the
+//! forwarder, the admin listener, and the graceful shutdown that lets in-flight requests
+//! finish and store their responses.
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::admin::{self, AdminState};
+use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
+use super::forward::{ClientAddr, Forwarder};
+use super::metrics::{InstrumentedStore, Metrics};
+use crate::body::RequestBody;
+use crate::policy::OnStoreError;
+use crate::response::Outcome;
+use crate::store::{Store, StoreError};
+use crate::IdempotencyLayer;
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr} ({what})")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The store could not be opened.
+    #[error("cannot open store {spec}")]
+    Store {
+        /// The store as configured (without secrets).
+        spec: String,
+        /// Why.
+        #[source]
+        source: StoreError,
+    },
+    /// The store's directory could not be created.
+    #[error("cannot create the directory for store {spec}")]
+    StoreDir {
+        /// The store as configured.
+        spec: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The store's backend is not part of this build.
+    #[error("store {spec} needs the `{feature}` feature, which this build does not have")]
+    StoreFeature {
+        /// The store as configured.
+        spec: String,
+        /// The missing Cargo feature.
+        feature: &'static str,
+    },
+}
+
+/// Opens the configured store.
+pub async fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, RunError> {
+    match spec {
+        StoreSpec::Memory => Ok(Arc::new(crate::store::MemoryStore::default())),
+        #[cfg(feature = "redb")]
+        StoreSpec::Redb(path) => {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .map_err(|source| RunError::StoreDir { spec: spec.to_string(), source })?;
+            }
+            let store = crate::store::RedbStore::open(path)
+                .map_err(|source| RunError::Store { spec: spec.to_string(), source })?;
+            Ok(Arc::new(store))
+        }
+        #[cfg(feature = "redis")]
+        StoreSpec::Redis(url) => {
+            let store = crate::store::RedisStore::connect(crate::store::RedisStoreConfig::new(url.clone()))
+                .await
+                .map_err(|source| RunError::Store { spec: spec.to_string(), source })?;
+            Ok(Arc::new(store))
+        }
+        #[cfg(not(feature = "redb"))]
+        StoreSpec::Redb(_) => Err(RunError::StoreFeature { spec: spec.to_string(), feature: "redb" }),
+        #[cfg(not(feature = "redis"))]
+        StoreSpec::Redis(_) => Err(RunError::StoreFeature { spec: spec.to_string(), feature: "redis" }),
+    }
+}
+
+/// Runs the gateway until `shutdown` resolves, then drains: stops accepting, lets open
+/// requests finish and store their responses within `shutdown_grace`, and returns.
+///
+/// Once both listeners are bound it writes one line to standard error,
+/// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
+/// port 0).
+pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+    let metrics = Metrics::new();
+    let raw_store = open_store(&settings.store).await?;
+    let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
+
+    let mut layer = IdempotencyLayer::new(Arc::clone(&store))
+        .default_route(settings.default_route.clone())
+        .store_timeout(settings.store_timeout)
+        .on_store_error(match settings.on_store_error {
+            StoreErrorPolicy::Reject => OnStoreError::Reject,
+            StoreErrorPolicy::Pass => OnStoreError::Pass,
+        });
+    for route in &settings.routes {
+        layer = layer.route(route.prefix.clone(), route.policy.clone());
+    }
+    let stats = layer.stats();
+    let forwarder = Forwarder::<RequestBody<Incoming>>::new(
+        settings.upstream.clone(),
+        settings.upstream_timeout,
+        settings.upstream_connect_timeout,
+        Arc::clone(&metrics),
+    );
+    let service = layer.layer(forwarder);
+
+    let listener = bind("listen", settings.listen).await?;
+    let admin_listener = bind("admin_listen", settings.admin_listen).await?;
+    let proxy_addr = listener.local_addr().map_err(|source| RunError::Bind {
+        what: "listen",
+        addr: settings.listen,
+        source,
+    })?;
+    let admin_addr = admin_listener.local_addr().map_err(|source| RunError::Bind {
+        what: "admin_listen",
+        addr: settings.admin_listen,
+        source,
+    })?;
+    // A fixed, parseable first line for scripts and tests (the log format may be JSON).
+    eprintln!("idemgate listening on {proxy_addr} admin {admin_addr}");
+    tracing::info!(
+        listen = %proxy_addr,
+        admin = %admin_addr,
+        upstream = %settings.upstream.uri,
+        store = %settings.store,
+        routes = settings.routes.len(),
+        "idemgate started"
+    );
+
+    let draining = Arc::new(AtomicBool::new(false));
+    let admin_state = Arc::new(AdminState {
+        store: Arc::clone(&store),
+        store_timeout: settings.store_timeout,
+        metrics: Arc::clone(&metrics),
+        stats: Arc::clone(&stats),
+        token: settings.admin_token.clone(),
+        routes: std::iter::once(settings.default_route.clone())
+            .chain(settings.routes.iter().map(|r| r.policy.clone()))
+            .collect(),
+        draining: Arc::clone(&draining),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let admin_task = tokio::spawn(admin_loop(admin_listener, admin_state, stop_rx.clone()));
+
+    let limits = settings.limits;
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let builder = proxy_builder(&limits);
+    let accept = accept_loop(
+        listener,
+        Front { inner: service, peer: proxy_addr, metrics: Arc::clone(&metrics) },
+        builder,
+        Arc::clone(&connections),
+        limits,
+        stop_rx,
+    );
+    tokio::select! {
+        () = accept => {}
+        () = shutdown => {}
+    }
+
+    // The listener is dropped with the accept loop: no new connections from here on.
+    tracing::info!(grace_ms = settings.shutdown_grace.as_millis() as u64, "shutting down: draining open requests");
+    draining.store(true, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let drained = tokio::time::timeout(settings.shutdown_grace, async {
+        // Every connection holds a permit: all permits back means all connections closed.
+        let _all_closed = connections.acquire_many(all).await;
+        // Requests whose clients hung up still run upstream and store their responses.
+        while stats.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    match drained {
+        Ok(()) => tracing::info!("drained; exiting"),
+        Err(_) => tracing::warn!(
+            open_connections = limits.max_connections - connections.available_permits(),
+            in_flight = stats.in_flight(),
+            "shutdown grace passed with work still open; exiting anyway"
+        ),
+    }
+    admin_task.abort();
+    Ok(())
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunError> {
+    TcpListener::bind(addr).await.map_err(|source| RunError::Bind { what, addr, source })
+}
+
+fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // With a timer set, hyper closes a connection whose header block is not complete in
+        // time; the timer also runs while a keep-alive connection waits for its next request.
+        .header_read_timeout(limits.header_read_timeout)
+        .max_headers(limits.max_headers)
+        .max_buf_size(limits.max_header_bytes)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .keep_alive_interval(limits.idle_timeout / 2)
+        .keep_alive_timeout(limits.header_read_timeout);
+    builder
+}
+
+async fn accept_loop<S, B>(
+    listener: TcpListener,
+    front: Front<S>,
+    builder: auto::Builder<TokioExecutor>,
+    connections: Arc<Semaphore>,
+    limits: Limits,
+    stop: watch::Receiver<bool>,
+) where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    loop {
+        // At the limit, stop accepting until a connection closes; the kernel's backlog holds
+        // the rest.
+        let Ok(permit) = Arc::clone(&connections).acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut front = front.clone();
+        front.peer = peer;
+        let builder = builder.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            front.metrics.connection_opened();
+            serve_connection(stream, front.clone(), &builder, limits, stop).await;
+            front.metrics.connection_closed();
+            drop(permit);
+        });
+    }
+}
+
+async fn serve_connection<S, B>(
+    stream: TcpStream,
+    front: Front<S>,
+    builder: &auto::Builder<TokioExecutor>,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+) where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(ActivityIo { inner: stream, activity: Arc::clone(&activity) });
+    let conn = builder.serve_connection(io, front);
+    tokio::pin!(conn);
+    let mut closing = false;
+    if *stop.borrow_and_update() {
+        conn.as_mut().graceful_shutdown();
+        closing = true;
+    }
+    loop {
+        let deadline = activity.deadline(&limits);
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(error = %error, "client connection ended with an error");
+                }
+                return;
+            }
+            changed = stop.changed(), if !closing => {
+                let _ = changed;
+                conn.as_mut().graceful_shutdown();
+                closing = true;
+            }
+            () = tokio::time::sleep_until(deadline.into()), if !closing => {
+                if Instant::now() >= activity.deadline(&limits) {
+                    // No bytes either way for the idle timeout (or none at all since the
+                    // connection opened, for the header timeout): close it. An HTTP/1.1
+                    // request in progress still gets its response first.
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+            }
+        }
+    }
+}
+
+/// When a connection last moved bytes.
+struct Activity {
+    opened: Instant,
+    last_millis: AtomicU64,
+    any_read: AtomicBool,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self { opened: Instant::now(), last_millis: AtomicU64::new(0), any_read: AtomicBool::new(false) }
+    }
+
+    fn touch(&self, read: bool) {
+        let millis = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_millis.store(millis, Ordering::Relaxed);
+        if read {
+            self.any_read.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn deadline(&self, limits: &Limits) -> Instant {
+        let last = self.opened + Duration::from_millis(self.last_millis.load(Ordering::Relaxed));
+        // Before its first byte a connection gets the header timeout: hyper's own timer only
+        // starts once it knows the protocol.
+        let allowed = if self.any_read.load(Ordering::Relaxed) {
+            limits.idle_timeout
+        } else {
+            limits.header_read_timeout
+        };
+        last + allowed
+    }
+}
+
+/// A TCP stream that records when bytes last moved.
+struct ActivityIo {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for ActivityIo {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.activity.touch(true);
+        }
+        result
+    }
+}
+
+impl AsyncWrite for ActivityIo {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.inner).poll_write(cx, buf);
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch(false);
+        }
+        result
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch(false);
+        }
+        result
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// The outermost per-connection service: tags each request with the client's address, and
+/// logs and counts what the layer decided.
+#[derive(Clone)]
+pub struct Front<S> {
+    inner: S,
+    peer: SocketAddr,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
+where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = Response<B>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
+
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        req.extensions_mut().insert(ClientAddr(self.peer));
+        let method = req.method().clone();
+        let path: String = req.uri().path().chars().take(200).collect();
+        let started = Instant::now();
+        let mut inner = self.inner.clone();
+        let metrics = Arc::clone(&self.metrics);
+        let peer = self.peer;
+        Box::pin(async move {
+            std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+            let Ok(response) = inner.call(req).await;
+            log_request(&metrics, &response, &method, &path, peer, started.elapsed());
+            Ok(response)
+        })
+    }
+}
+
+fn log_request<B>(
+    metrics: &Metrics,
+    response: &Response<B>,
+    method: &http::Method,
+    path: &str,
+    peer: SocketAddr,
+    latency: Duration,
+) {
+    let status = response.status().as_u16();
+    let latency_ms = latency.as_secs_f64() * 1000.0;
+    let Some(outcome) = response.extensions().get::<Outcome>() else {
+        tracing::info!(%method, path, status, latency_ms, client = %peer.ip(), "request");
+        return;
+    };
+    let decision = outcome.decision.as_str();
+    metrics.count_request(&outcome.route, decision);
+    let record = outcome.record.map(|r| r.short());
+    let record = record.as_deref().unwrap_or("-");
+    if outcome.decision == crate::response::Decision::PassedThrough {
+        tracing::debug!(route = %outcome.route, outcome = decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
+    } else {
+        tracing::info!(route = %outcome.route, outcome = decision, status, latency_ms, record, %method, path, client = %peer.ip(), "request");
+    }
+}
+
+async fn admin_loop(listener: TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).max_buf_size(64 * 1024);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            // Keep answering /metrics and /readyz while draining; stop only if the sender is
+            // gone.
+            changed = stop.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let state = Arc::clone(&state);
+        let conn = builder.serve_connection(
+            TokioIo::new(stream),
+            hyper::service::service_fn(move |req| admin::handle(Arc::clone(&state), req)),
+        );
+        tokio::spawn(async move {
+            if let Err(error) = conn.await {
+                tracing::debug!(%error, "admin connection ended with an error");
+            }
+        });
+    }
+}

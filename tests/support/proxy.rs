@@ -1,0 +1,416 @@
+//! End-to-end helpers for the `idemgate` binary: a real upstream on 127.0.0.1, the gateway as
+//! a child process (killed on drop), an HTTP client and raw-socket requests.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Environment variables the gateway reads; removed from every child so the host's
+/// environment cannot change a test.
+const GATEWAY_ENV: [&str; 9] = [
+    "IDEMGATE_CONFIG",
+    "IDEMGATE_LISTEN",
+    "IDEMGATE_UPSTREAM",
+    "IDEMGATE_STORE",
+    "IDEMGATE_TTL",
+    "IDEMGATE_ADMIN_LISTEN",
+    "IDEMGATE_ADMIN_TOKEN",
+    "IDEMGATE_LOG_FORMAT",
+    "IDEMGATE_LOG",
+];
+
+/// A directory under the system temp dir, removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-proxy-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        Self(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, contents).expect("write temp file");
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What the test upstream saw.
+#[derive(Default)]
+pub struct UpstreamState {
+    /// Requests that reached the handler, by path.
+    hits: Mutex<HashMap<String, u64>>,
+    /// Requests that finished (their response was written to hyper).
+    finished: AtomicU64,
+    /// Headers of the last request.
+    last_headers: Mutex<Option<HeaderMap>>,
+}
+
+/// An HTTP/1.1 upstream on 127.0.0.1 that counts executions and echoes what it received.
+///
+/// - `x-delay-ms: N` makes it wait N ms before answering (not part of any fingerprint).
+/// - `/status/NNN` or `x-status: NNN` answers with status NNN; everything else answers `201`.
+/// - `/spoof…` adds hop-by-hop headers and a forged `Idempotent-Replayed: true`.
+/// - `/stream…` answers a 3-chunk body.
+/// - The body is JSON: `{"path", "n" (hits on this path so far), "body_len", "headers"}`.
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    pub state: Arc<UpstreamState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TestUpstream {
+    pub async fn start() -> Self {
+        Self::start_on("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    pub async fn start_on(addr: SocketAddr) -> Self {
+        let listener = TcpListener::bind(addr).await.expect("bind upstream");
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(UpstreamState::default());
+        let shared = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let state = Arc::clone(&shared);
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| handle(Arc::clone(&state), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, state, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests that reached the handler on `path`.
+    pub fn hits(&self, path: &str) -> u64 {
+        self.state.hits.lock().unwrap().get(path).copied().unwrap_or(0)
+    }
+
+    /// Requests that reached the handler on any path.
+    pub fn total_hits(&self) -> u64 {
+        self.state.hits.lock().unwrap().values().sum()
+    }
+
+    pub fn finished(&self) -> u64 {
+        self.state.finished.load(Ordering::SeqCst)
+    }
+
+    pub fn last_headers(&self) -> HeaderMap {
+        self.state.last_headers.lock().unwrap().clone().expect("the upstream saw a request")
+    }
+
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, hyper::Error> {
+    let path = req.uri().path().to_owned();
+    let n = {
+        let mut hits = state.hits.lock().unwrap();
+        let n = hits.entry(path.clone()).or_insert(0);
+        *n += 1;
+        *n
+    };
+    *state.last_headers.lock().unwrap() = Some(req.headers().clone());
+    let delay = req
+        .headers()
+        .get("x-delay-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let req_status = req.headers().get("x-status").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let headers: serde_json::Map<String, serde_json::Value> = req
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").into()))
+        .collect();
+    let body = req.into_body().collect().await?.to_bytes();
+    if let Some(ms) = delay {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let wanted = req_status.or_else(|| path.strip_prefix("/status/").map(str::to_owned));
+    let status = wanted
+        .as_deref()
+        .and_then(|s| s.parse::<u16>().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    let json = serde_json::json!({ "path": path, "n": n, "body_len": body.len(), "headers": headers });
+    let mut response = Response::new(Full::new(Bytes::from(json.to_string())));
+    *response.status_mut() = status;
+    let h = response.headers_mut();
+    h.insert("content-type", HeaderValue::from_static("application/json"));
+    h.insert("x-upstream-n", HeaderValue::from(n));
+    if path.starts_with("/spoof") {
+        h.insert("idempotent-replayed", HeaderValue::from_static("true"));
+        h.insert("connection", HeaderValue::from_static("x-internal"));
+        h.insert("x-internal", HeaderValue::from_static("secret"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
+        h.insert("x-end-to-end", HeaderValue::from_static("kept"));
+    }
+    state.finished.fetch_add(1, Ordering::SeqCst);
+    Ok(response)
+}
+
+/// A free port on 127.0.0.1 with nothing listening (bound, then released).
+pub fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// The gateway binary running as a child process; killed on drop.
+pub struct Gateway {
+    child: Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    logs: Arc<Mutex<String>>,
+}
+
+impl Gateway {
+    /// Starts `idemgate` with `args`, listening on free ports, and waits for its first line.
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_with(args, &[])
+    }
+
+    /// As [`Gateway::start`], with environment variables set on the child.
+    pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut cmd = gateway_command();
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        if !args.contains(&"--admin-listen") {
+            cmd.args(["--admin-listen", "127.0.0.1:0"]);
+        }
+        cmd.args(args).envs(env.iter().copied());
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn idemgate");
+        let stderr = child.stderr.take().unwrap();
+        let logs = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = Arc::clone(&logs);
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("idemgate listening on ") {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(rest.to_owned());
+                    }
+                }
+                let mut logs = sink.lock().unwrap();
+                logs.push_str(&line);
+                logs.push('\n');
+            }
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("idemgate did not start; its output:\n{}", logs.lock().unwrap());
+            }
+        };
+        // "ADDR admin ADDR"
+        let mut parts = line.split(" admin ");
+        let addr = parts.next().and_then(|a| a.trim().parse().ok()).expect("proxy address");
+        let admin = parts.next().and_then(|a| a.trim().parse().ok()).expect("admin address");
+        Self { child, addr, admin, logs }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn logs(&self) -> String {
+        self.logs.lock().unwrap().clone()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends SIGTERM to this child (by its pid).
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+
+    /// Waits for the child to exit, at most `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The gateway command with a clean `IDEMGATE_*` environment.
+pub fn gateway_command() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    for var in GATEWAY_ENV {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+    }
+
+    /// The `type` of a problem+json body.
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.headers.get("content-type").map(|v| v.to_str().unwrap()),
+            Some("application/problem+json"),
+            "not a problem response: {} {}",
+            self.status,
+            self.text()
+        );
+        self.json()["type"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// Sends one HTTP/1.1 request and reads the whole response.
+pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    send_with(&client, method, url, headers, body).await
+}
+
+/// Sends one request over prior-knowledge HTTP/2 (h2c).
+pub async fn send_h2c(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http::<Full<Bytes>>();
+    send_with(&client, method, url, headers, body).await
+}
+
+async fn send_with(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
+    let mut req = Request::builder().method(Method::from_bytes(method.as_bytes()).unwrap()).uri(url);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("response within 30s")
+        .expect("request succeeds");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("read body").to_bytes();
+    Resp { status: parts.status.as_u16(), headers: parts.headers, body }
+}
+
+/// Writes `request` on a fresh connection and reads until the server closes it (at most
+/// 10 s). Returns everything read.
+pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads `GET` from the admin listener.
+pub async fn admin_get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> Resp {
+    send("GET", &format!("http://{}{path}", gw.admin), headers, "").await
+}
+
+/// Polls `f` every 50 ms until it returns `Some`, at most `tries` times.
+pub async fn eventually<T, F, Fut>(tries: usize, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    for _ in 0..tries {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}

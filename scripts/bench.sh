@@ -1,0 +1,402 @@
+#!/usr/bin/env bash
+# The load benchmark: idemgate against a direct upstream and nginx, on loopback, in one run.
+#
+#   scripts/bench.sh            # build, run every case, print the table, update BENCHMARKS.md
+#
+# Settings (environment):
+#   DURATION=10      seconds per measured run          REPEATS=3    runs per case (interleaved)
+#   CONNECTIONS=64   wrk connections                   THREADS=2    wrk threads
+#   WARMUP=2         seconds of warm-up per case       STORES="memory redb redis"
+#   SERVER_CPU=0     core for upstream, nginx, idemgate and redis-server
+#   LOAD_CPU=1       core for wrk
+#   CARGO_FLAGS=     extra flags for the release build (e.g. --no-default-features --features proxy,redis)
+#   WRITE=1          write the results into BENCHMARKS.md (0: print only)
+#
+# It installs Debian's nginx and wrk when missing (and redis-server through .ci/install-deps),
+# starts everything it measures on free loopback ports from a temporary directory, and stops
+# only the processes it started.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+DURATION=${DURATION:-10}
+REPEATS=${REPEATS:-3}
+CONNECTIONS=${CONNECTIONS:-64}
+THREADS=${THREADS:-2}
+WARMUP=${WARMUP:-2}
+STORES=${STORES:-memory redb redis}
+SERVER_CPU=${SERVER_CPU:-0}
+LOAD_CPU=${LOAD_CPU:-1}
+CARGO_FLAGS=${CARGO_FLAGS:-}
+WRITE=${WRITE:-1}
+# Records of the new-keys cases expire quickly, so memory stays bounded however fast they come.
+RECORD_TTL=${RECORD_TTL:-5s}
+
+log() { printf 'bench: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"
+    elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+    else die "need root or sudo to run: $*"; fi
+}
+
+# --- tools ---------------------------------------------------------------------------------
+missing=()
+command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
+command -v taskset >/dev/null 2>&1 || missing+=(util-linux)
+if [ ${#missing[@]} -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and apt-get is not available"
+    log "installing ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+case " $STORES " in *" redis "*) bash .ci/install-deps >/dev/null ;; esac
+
+if [ "$(nproc)" -lt 2 ]; then
+    die "needs at least 2 cores (one for the servers, one for wrk); this machine has $(nproc)"
+fi
+
+# --- build ---------------------------------------------------------------------------------
+log "building release binaries"
+# shellcheck disable=SC2086 # CARGO_FLAGS is a list of flags
+cargo build --release --locked --examples --bins $CARGO_FLAGS >&2
+BIN="$ROOT/target/release"
+
+# --- processes we start, stopped on exit ---------------------------------------------------
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/idemgate-bench.XXXXXX")
+PIDS=()
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+    local p
+    for _ in $(seq 1 200); do
+        p=$((20000 + RANDOM % 40000))
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+            echo "$p"
+            return 0
+        fi
+    done
+    die "no free port found"
+}
+
+# Waits until a TCP port accepts connections.
+wait_port() {
+    local port=$1 what=$2
+    for _ in $(seq 1 100); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+        sleep 0.1
+    done
+    die "$what did not start listening on port $port"
+}
+
+# Waits until FILE has a line matching PATTERN; prints the line.
+wait_line() {
+    local file=$1 pattern=$2 what=$3 line
+    for _ in $(seq 1 100); do
+        line=$(grep -m1 -E "$pattern" "$file" 2>/dev/null || true)
+        if [ -n "$line" ]; then echo "$line"; return 0; fi
+        sleep 0.1
+    done
+    log "$what did not start; its output:"
+    cat "$file" >&2 || true
+    exit 1
+}
+
+# Started as `"${PIN[@]}" cmd &` (not through a function, which would fork a shell), so `$!`
+# is the server's own pid: taskset execs it.
+PIN=(taskset -c "$SERVER_CPU")
+
+JSON='{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}'
+REQUEST_BODY='{"amount":2000,"currency":"eur","customer":"cus_9s6XKzkNRiz8i3"}'
+
+# --- upstream --------------------------------------------------------------------------------
+"${PIN[@]}" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
+PIDS+=($!); UPSTREAM_PID=$!
+UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+log "upstream on $UPSTREAM"
+
+# --- nginx: keep-alive reverse proxy and a static reply --------------------------------------
+NGINX_PROXY_PORT=$(free_port)
+NGINX_STATIC_PORT=$(free_port)
+mkdir -p "$TMP/nginx/logs" "$TMP/nginx/tmp"
+cat >"$TMP/nginx/nginx.conf" <<EOF
+daemon off;
+worker_processes 1;
+pid $TMP/nginx/nginx.pid;
+error_log $TMP/nginx/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $TMP/nginx/tmp/body;
+    proxy_temp_path $TMP/nginx/tmp/proxy;
+    fastcgi_temp_path $TMP/nginx/tmp/fastcgi;
+    uwsgi_temp_path $TMP/nginx/tmp/uwsgi;
+    scgi_temp_path $TMP/nginx/tmp/scgi;
+    keepalive_requests 1000000;
+    upstream app {
+        server $UPSTREAM;
+        keepalive 128;
+    }
+    server {
+        listen 127.0.0.1:$NGINX_PROXY_PORT;
+        location / {
+            proxy_pass http://app;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+    server {
+        listen 127.0.0.1:$NGINX_STATIC_PORT;
+        location / {
+            default_type application/json;
+            return 200 '$JSON';
+        }
+    }
+}
+EOF
+"${PIN[@]}" "$NGINX" -p "$TMP/nginx" -c "$TMP/nginx/nginx.conf" -e "$TMP/nginx/logs/error.log" \
+    >"$TMP/nginx/out.log" 2>&1 &
+PIDS+=($!); NGINX_PID=$!
+wait_port "$NGINX_PROXY_PORT" nginx
+wait_port "$NGINX_STATIC_PORT" nginx
+# The worker does the work; its CPU time is what we compare.
+NGINX_WORKER=$(pgrep -P "$NGINX_PID" | head -1)
+[ -n "$NGINX_WORKER" ] || die "nginx started no worker"
+log "nginx proxy on $NGINX_PROXY_PORT, static on $NGINX_STATIC_PORT"
+
+# --- redis-server ----------------------------------------------------------------------------
+REDIS_URL=
+case " $STORES " in
+*" redis "*)
+    REDIS_PORT=$(free_port)
+    mkdir -p "$TMP/redis"
+    "${PIN[@]}" redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
+        --dir "$TMP/redis" --daemonize no --loglevel warning >"$TMP/redis/out.log" 2>&1 &
+    PIDS+=($!); REDIS_PID=$!
+    wait_port "$REDIS_PORT" redis-server
+    REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+    log "redis-server on $REDIS_PORT"
+    ;;
+esac
+
+# --- idemgate, one per store -------------------------------------------------------------------
+# New keys expire after RECORD_TTL (bounded memory at any rate); the 16 replayed keys live
+# under their own route for the whole run, so every measured replay finds its record.
+cat >"$TMP/idemgate.toml" <<EOF
+upstream = "http://$UPSTREAM"
+ttl = "$RECORD_TTL"
+
+[[routes]]
+prefix = "/replay"
+ttl = "1h"
+EOF
+declare -A GATEWAY GATEWAY_PID
+for store in $STORES; do
+    case $store in
+    memory) spec=memory ;;
+    redb) spec="redb:$TMP/records.redb" ;;
+    redis) spec=$REDIS_URL ;;
+    *) die "unknown store $store (memory, redb, redis)" ;;
+    esac
+    IDEMGATE_LOG=warn "${PIN[@]}" "$BIN/idemgate" --config "$TMP/idemgate.toml" \
+        --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" \
+        --store "$spec" >"$TMP/idemgate-$store.out" 2>&1 &
+    PIDS+=($!); GATEWAY_PID[$store]=$!
+    line=$(wait_line "$TMP/idemgate-$store.out" '^idemgate listening on ' "idemgate --store $store")
+    GATEWAY[$store]=$(echo "$line" | awk '{print $4}')
+    log "idemgate ($store) on ${GATEWAY[$store]}"
+done
+
+# --- wrk scripts -----------------------------------------------------------------------------
+cat >"$TMP/post.lua" <<EOF
+-- A POST without an idempotency key: passed through.
+wrk.method = "POST"
+wrk.body = '$REQUEST_BODY'
+wrk.headers["Content-Type"] = "application/json"
+EOF
+cat >"$TMP/new_keys.lua" <<EOF
+-- A unique key per request: run prefix (from the command line), thread id and counter.
+local threads = 0
+function setup(thread)
+    threads = threads + 1
+    thread:set("id", threads)
+end
+local prefix, counter = "", 0
+function init(args)
+    prefix = (args[1] or "run") .. "-" .. tostring(id) .. "-"
+end
+local body = '$REQUEST_BODY'
+function request()
+    counter = counter + 1
+    return wrk.format("POST", nil, {
+        ["Host"] = wrk.headers["Host"],
+        ["Content-Type"] = "application/json",
+        ["Idempotency-Key"] = prefix .. counter,
+    }, body)
+end
+EOF
+cat >"$TMP/replays.lua" <<EOF
+-- 16 keys, reused: after each key's first request, every request is a replay.
+local requests, n = {}, 0
+function init(args)
+    for i = 1, 16 do
+        requests[i] = wrk.format("POST", nil, {
+            ["Host"] = wrk.headers["Host"],
+            ["Content-Type"] = "application/json",
+            ["Idempotency-Key"] = "replay-" .. i,
+        }, '$REQUEST_BODY')
+    end
+end
+function request()
+    n = n % 16 + 1
+    return requests[n]
+end
+EOF
+
+# --- cases -----------------------------------------------------------------------------------
+# name|label|url|script|pid whose CPU is measured
+CASES=(
+    "direct|direct upstream|http://$UPSTREAM/v1/payments|post|$UPSTREAM_PID"
+    "nginx_proxy|nginx pass-through|http://127.0.0.1:$NGINX_PROXY_PORT/v1/payments|post|$NGINX_WORKER"
+    "nginx_static|nginx return 200|http://127.0.0.1:$NGINX_STATIC_PORT/v1/payments|post|$NGINX_WORKER"
+)
+first_store=${STORES%% *}
+CASES+=("pass|idemgate pass-through|http://${GATEWAY[$first_store]}/v1/payments|post|${GATEWAY_PID[$first_store]}")
+for store in $STORES; do
+    CASES+=("new_$store|new keys, $store|http://${GATEWAY[$store]}/v1/payments|new_keys|${GATEWAY_PID[$store]}")
+    CASES+=("replay_$store|replays, $store|http://${GATEWAY[$store]}/replay/v1/payments|replays|${GATEWAY_PID[$store]}")
+done
+
+# CPU ticks (user + system) a process has used so far.
+cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
+rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+TCK=$(getconf CLK_TCK)
+
+# Converts wrk's "1.23ms" / "456.00us" / "1.01s" to milliseconds.
+to_ms() {
+    awk -v v="$1" 'BEGIN {
+        n = v + 0
+        if (v ~ /us$/) n = n / 1000; else if (v ~ /ms$/) n = n; else if (v ~ /m$/) n = n * 60000; else if (v ~ /s$/) n = n * 1000
+        printf "%.3f", n
+    }'
+}
+
+RESULTS="$TMP/results.tsv"
+: >"$RESULTS"
+
+# run CASE DURATION RUN_ID [record]
+run_case() {
+    local spec=$1 secs=$2 run=$3 record=${4:-}
+    local name label url script pid
+    IFS='|' read -r name label url script pid <<<"$spec"
+    local before after out
+    before=$(cpu_ticks "$pid")
+    out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \
+        -s "$TMP/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
+    after=$(cpu_ticks "$pid")
+    [ -n "$record" ] || return 0
+    local rps p50 p99 total errors cpu_us rss
+    rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
+    p50=$(to_ms "$(echo "$out" | awk '$1 == "50%" {print $2}')")
+    p99=$(to_ms "$(echo "$out" | awk '$1 == "99%" {print $2}')")
+    total=$(echo "$out" | awk '/requests in/ {print $1}')
+    errors=$(echo "$out" | awk '/Non-2xx or 3xx responses:/ {n += $NF} /Socket errors:/ {gsub(",", ""); n += $4 + $6 + $8 + $10} END {print n + 0}')
+    cpu_us=$(awk -v a="$after" -v b="$before" -v t="$TCK" -v n="$total" 'BEGIN { printf "%.2f", (n > 0) ? (a - b) * 1e6 / t / n : 0 }')
+    rss=$(rss_kib "$pid")
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rps" "$p50" "$p99" "$cpu_us" "$errors" "$total" "$rss" >>"$RESULTS"
+    log "$(printf '%-24s run %s: %9.0f req/s  p50 %6.3f ms  p99 %7.3f ms  %6.2f us/req CPU  %s errors' "$label" "$run" "$rps" "$p50" "$p99" "$cpu_us" "$errors")"
+}
+
+log "warm-up: ${WARMUP}s per case"
+for spec in "${CASES[@]}"; do run_case "$spec" "$WARMUP" warmup; done
+for r in $(seq 1 "$REPEATS"); do
+    log "round $r of $REPEATS: ${DURATION}s per case"
+    for spec in "${CASES[@]}"; do run_case "$spec" "$DURATION" "r$r" record; done
+done
+
+# --- report ----------------------------------------------------------------------------------
+# Medians over the repeats, per case and column.
+median() { # name column
+    awk -F'\t' -v n="$1" -v c="$2" '$1 == n {print $c}' "$RESULTS" | sort -g |
+        awk '{v[NR] = $1} END { if (NR == 0) print 0; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+sum_col() { awk -F'\t' -v n="$1" -v c="$2" '$1 == n {s += $c} END {print s + 0}' "$RESULTS"; }
+
+declare -A RPS
+for spec in "${CASES[@]}"; do
+    IFS='|' read -r name _ <<<"$spec"
+    RPS[$name]=$(median "$name" 2)
+done
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f×", a / b; else print "–" }'; }
+
+CPU_MODEL=$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)
+MACHINE="$(nproc) cores, ${CPU_MODEL:-unknown CPU}, Linux $(uname -r)"
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || COMMIT="$COMMIT (with local changes)"
+
+REPORT="$TMP/report.md"
+{
+    echo "Run of $(date -u +%Y-%m-%d) on $MACHINE; commit $COMMIT."
+    echo "wrk: $CONNECTIONS connections, $THREADS threads, pinned to core $LOAD_CPU; upstream, nginx (1 worker), idemgate and"
+    echo "redis-server pinned to core $SERVER_CPU. Each case: median of $REPEATS interleaved runs of ${DURATION} s (after a ${WARMUP} s warm-up)."
+    echo "Record ttl ${RECORD_TTL}. CPU is the user+system time of the serving process (the upstream, the nginx worker, or idemgate) per request."
+    echo
+    echo "| case | req/s | p50 ms | p99 ms | CPU µs/req | RSS MiB | × nginx pass-through | × direct upstream | errors |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    for spec in "${CASES[@]}"; do
+        IFS='|' read -r name label _ <<<"$spec"
+        printf '| %s | %.0f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s |\n' "$label" "${RPS[$name]}" \
+            "$(median "$name" 3)" "$(median "$name" 4)" "$(median "$name" 5)" \
+            "$(awk -v k="$(median "$name" 8)" 'BEGIN {print k / 1024}')" \
+            "$(ratio "${RPS[$name]}" "${RPS[nginx_proxy]}")" "$(ratio "${RPS[$name]}" "${RPS[direct]}")" \
+            "$(sum_col "$name" 6)"
+    done
+    echo
+    echo "| target (issue 5) | measured | target | met |"
+    echo "| --- | ---: | ---: | --- |"
+    target() { # label value base goal
+        local r
+        r=$(awk -v a="$2" -v b="$3" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print 0 }')
+        printf '| %s | %s× | ≥ %s× | %s |\n' "$1" "$r" "$4" "$(awk -v r="$r" -v g="$4" 'BEGIN { print (r >= g) ? "yes" : "**no**" }')"
+    }
+    target "pass-through ÷ nginx pass-through" "${RPS[pass]}" "${RPS[nginx_proxy]}" 1.0
+    [ -z "${RPS[new_memory]:-}" ] || target "new keys, memory ÷ nginx pass-through" "${RPS[new_memory]}" "${RPS[nginx_proxy]}" 0.9
+    [ -z "${RPS[replay_memory]:-}" ] || target "replays, memory ÷ nginx return 200" "${RPS[replay_memory]}" "${RPS[nginx_static]}" 0.8
+    [ -z "${RPS[new_redb]:-}" ] || [ -z "${RPS[new_memory]:-}" ] || target "new keys, redb ÷ new keys, memory" "${RPS[new_redb]}" "${RPS[new_memory]}" 0.5
+    [ -z "${RPS[new_redis]:-}" ] || target "new keys, redis ÷ nginx pass-through" "${RPS[new_redis]}" "${RPS[nginx_proxy]}" 0.35
+    [ -z "${RPS[replay_redis]:-}" ] || target "replays, redis ÷ nginx pass-through" "${RPS[replay_redis]}" "${RPS[nginx_proxy]}" 0.7
+} >"$REPORT"
+
+echo
+cat "$REPORT"
+
+if [ "$WRITE" = 1 ]; then
+    BENCH_MD="$ROOT/BENCHMARKS.md"
+    START='<!-- bench.sh results: start -->'
+    END='<!-- bench.sh results: end -->'
+    if ! grep -qF "$START" "$BENCH_MD" 2>/dev/null; then
+        printf '# Benchmarks\n\n## Latest load benchmark\n\n%s\n%s\n' "$START" "$END" >>"$BENCH_MD"
+    fi
+    awk -v start="$START" -v end="$END" -v report="$REPORT" '
+        $0 == start { print; while ((getline line < report) > 0) print line; skip = 1; next }
+        $0 == end { skip = 0 }
+        !skip { print }
+    ' "$BENCH_MD" >"$TMP/BENCHMARKS.md"
+    cp "$TMP/BENCHMARKS.md" "$BENCH_MD"
+    log "results written to BENCHMARKS.md"
+fi

@@ -1,7 +1,10 @@
 //! [`IdempotencyService`]: the middleware that decides, for each request, whether to pass it
 //! through, run it under a claim, or answer it from the store.
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::mem;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -226,26 +229,13 @@ where
         &body,
     );
     let req = Request::from_parts(parts, RequestBody::buffered(body));
-
-    // From the claim on, the work must not depend on the caller staying: a client that hangs
-    // up must not cancel an upstream call half-way, nor leave a claim behind that never ran.
-    let (tx, rx) = oneshot::channel();
     let keyed = Keyed {
         shared,
-        route: route.clone(),
+        route,
         record,
         fingerprint,
     };
-    tokio::spawn(keyed.run(inner, req, tx));
-    match rx.await {
-        Ok(answer) => answer,
-        Err(_) => Ok(answer(
-            Problem::internal(),
-            Decision::Executed,
-            &route,
-            Some(record),
-        )),
-    }
+    keyed.run(inner, req).await
 }
 
 /// The life of one keyed request after its key and fingerprint are known.
@@ -260,13 +250,21 @@ struct Keyed {
 type Reply<B, E> = oneshot::Sender<Answer<B, E>>;
 
 impl Keyed {
+    /// Claims the key and answers from what the store holds. The caller's task does this
+    /// itself, so a replay or a refusal costs no task of its own; only once the claim is
+    /// acquired does the work move to a task of its own, because from then on it must not
+    /// depend on the caller staying: a client that hangs up must not cancel an upstream call
+    /// half-way, nor leave a claim behind that never ran (see [`ClaimAttempt`]).
     async fn run<S, ReqB, ResB>(
         self,
         inner: S,
         req: Request<RequestBody<ReqB>>,
-        reply: Reply<ResB, S::Error>,
-    ) where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    ) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB::Error: Into<BoxError> + Send,
     {
@@ -282,13 +280,11 @@ impl Keyed {
         };
         let mut poll = WAIT_POLL_MIN;
         let claim = loop {
-            let claim = self
-                .store_call(
-                    self.shared
-                        .store
-                        .claim(&self.record, &self.fingerprint, &options),
-                )
-                .await;
+            let claim =
+                ClaimAttempt::start(&self.shared, self.record, self.fingerprint, options).await;
+            if claim.is_err() {
+                self.shared.stats.count_store_error();
+            }
             match claim {
                 Ok(Claim::InFlight { .. })
                     if wait_until.is_some_and(|end| tokio::time::Instant::now() + poll < end) =>
@@ -300,7 +296,23 @@ impl Keyed {
             }
         };
         let answer = match claim {
-            Ok(Claim::Acquired(token)) => return self.execute(inner, req, token, reply).await,
+            Ok(Claim::Acquired(token)) => {
+                // No await between the claim and this spawn: once acquired, the claim is
+                // always run, completed or released by the task, whatever the caller does.
+                let (tx, rx) = oneshot::channel();
+                let route = self.route.clone();
+                let record = self.record;
+                tokio::spawn(async move { self.execute(inner, req, token, tx).await });
+                return match rx.await {
+                    Ok(answer) => answer,
+                    Err(_) => Ok(answer(
+                        Problem::internal(),
+                        Decision::Executed,
+                        &route,
+                        Some(record),
+                    )),
+                };
+            }
             Ok(Claim::Completed(completion)) => match &*completion {
                 Completion::Response(stored) => self.made(replay(stored), Decision::Replayed),
                 Completion::TooLarge {
@@ -332,15 +344,27 @@ impl Keyed {
                 OnStoreError::Pass => {
                     self.shared.stats.count_unprotected();
                     tracing::warn!(record = %self.record.short(), %error, "store failed; request forwarded without protection");
-                    let answer = call(inner, req).await.map(|response| {
-                        self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
+                    // Like a claimed request, it runs to its end even if the client leaves.
+                    let route = self.route.clone();
+                    let record = self.record;
+                    let pass = tokio::spawn(async move {
+                        call(inner, req).await.map(|response| {
+                            self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
+                        })
                     });
-                    let _ = reply.send(answer);
-                    return;
+                    return match pass.await {
+                        Ok(answer) => answer,
+                        Err(_) => Ok(answer(
+                            Problem::internal(),
+                            Decision::Unprotected,
+                            &route,
+                            Some(record),
+                        )),
+                    };
                 }
             },
         };
-        let _ = reply.send(Ok(answer));
+        Ok(answer)
     }
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
@@ -357,7 +381,25 @@ impl Keyed {
         ResB::Error: Into<BoxError> + Send,
     {
         let _in_flight = self.shared.stats.enter();
-        let _renewal = self.keep_lease(token);
+        // The lease is renewed while the work runs, polled beside it in this task.
+        tokio::select! {
+            biased;
+            () = self.execute_claimed(inner, req, token, reply) => {}
+            never = self.keep_lease(token) => match never {},
+        }
+    }
+
+    async fn execute_claimed<S, ReqB, ResB>(
+        &self,
+        inner: S,
+        req: Request<RequestBody<ReqB>>,
+        token: OwnerToken,
+        reply: Reply<ResB, S::Error>,
+    ) where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
         let policy = &self.route.policy;
 
         let response = match call(inner, req).await {
@@ -476,35 +518,32 @@ impl Keyed {
         self.complete(token, completion).await;
     }
 
-    /// Renews the lease at a third of its length until the returned guard drops.
-    fn keep_lease(&self, token: OwnerToken) -> AbortOnDrop {
-        let store = self.shared.store.clone();
-        let record = self.record;
+    /// Renews the lease at a third of its length; never ends (dropped when the work is done).
+    async fn keep_lease(&self, token: OwnerToken) -> Infallible {
+        let store = &self.shared.store;
         let lease = self.route.policy.lease;
         let timeout = self.shared.store_timeout;
-        let stats = self.shared.stats.clone();
-        AbortOnDrop(tokio::spawn(async move {
-            let period = lease / 3;
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            loop {
-                ticks.tick().await;
-                match tokio::time::timeout(timeout, store.renew(&record, token, lease)).await {
-                    Ok(Ok(Transition::Applied)) => {}
-                    Ok(Ok(Transition::Fenced)) => {
-                        tracing::warn!(record = %record.short(), "lease lost to another owner while the request ran");
-                        return;
-                    }
-                    Ok(Err(error)) => {
-                        stats.count_store_error();
-                        tracing::warn!(record = %record.short(), %error, "lease renewal failed");
-                    }
-                    Err(_) => {
-                        stats.count_store_error();
-                        tracing::warn!(record = %record.short(), "lease renewal timed out");
-                    }
+        let stats = &self.shared.stats;
+        let record = &self.record;
+        loop {
+            tokio::time::sleep(lease / 3).await;
+            match tokio::time::timeout(timeout, store.renew(record, token, lease)).await {
+                Ok(Ok(Transition::Applied)) => {}
+                Ok(Ok(Transition::Fenced)) => {
+                    tracing::warn!(record = %record.short(), "lease lost to another owner while the request ran");
+                    break;
+                }
+                Ok(Err(error)) => {
+                    stats.count_store_error();
+                    tracing::warn!(record = %record.short(), %error, "lease renewal failed");
+                }
+                Err(_) => {
+                    stats.count_store_error();
+                    tracing::warn!(record = %record.short(), "lease renewal timed out");
                 }
             }
-        }))
+        }
+        std::future::pending().await
     }
 
     async fn complete(&self, token: OwnerToken, completion: Completion) {
@@ -557,11 +596,12 @@ impl Keyed {
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let result = match tokio::time::timeout(self.shared.store_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout {
+        let timeout = self.shared.store_timeout;
+        let result = match (Bounded::new(call, timeout)).await {
+            Some(result) => result,
+            None => Err(StoreError::Timeout {
                 backend: self.shared.store.backend(),
-                after: self.shared.store_timeout,
+                after: timeout,
             }),
         };
         if result.is_err() {
@@ -608,11 +648,307 @@ pub(crate) fn without_owned_headers<B>(mut response: Response<B>) -> Response<B>
     response
 }
 
-/// Aborts a background task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+pin_project_lite::pin_project! {
+    /// A store call bounded by the store timeout; `None` when the time ran out. The deadline
+    /// is set only if the call does not finish at its first poll, so a store that answers at
+    /// once (the memory store) costs no timer and no clock read.
+    struct Bounded<F> {
+        #[pin]
+        call: F,
+        timeout: Duration,
+        #[pin]
+        deadline: Option<tokio::time::Sleep>,
+    }
+}
 
-impl Drop for AbortOnDrop {
+impl<F> Bounded<F> {
+    fn new(call: F, timeout: Duration) -> Self {
+        Self {
+            call,
+            timeout,
+            deadline: None,
+        }
+    }
+}
+
+impl<F: Future> Future for Bounded<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Poll::Ready(out) = this.call.poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if this.deadline.is_none() {
+            this.deadline.set(Some(tokio::time::sleep(*this.timeout)));
+        }
+        match this.deadline.as_pin_mut().map(|deadline| deadline.poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(None),
+            _ => Poll::Pending,
+        }
+    }
+}
+
+type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// One claim, owned so that it can outlive the request that made it.
+///
+/// Awaited in the caller's task. If it is dropped before the store answered (the client hung
+/// up, or the store timeout passed), the store may still apply the claim; so the unfinished
+/// call is handed to a task of its own, which releases the key if the claim was acquired.
+/// Nothing was sent upstream for it, so a retry may run the request. Without a runtime to
+/// run that task, the claim's lease lapses into the route's unknown outcome instead.
+struct ClaimAttempt {
+    /// The store call, until it answers.
+    pending: Option<ClaimFuture>,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    store: Arc<dyn crate::store::Store>,
+    record: RecordKey,
+    timeout: Duration,
+    /// How long an abandoned claim is still waited for: past its lease, a claim that lands
+    /// late is as good as lapsed.
+    lease: Duration,
+}
+
+impl ClaimAttempt {
+    fn start(
+        shared: &Shared,
+        record: RecordKey,
+        fingerprint: FingerprintHash,
+        options: ClaimOptions,
+    ) -> Self {
+        let store = Arc::clone(&shared.store);
+        let claim = {
+            let store = Arc::clone(&store);
+            async move { store.claim(&record, &fingerprint, &options).await }
+        };
+        Self {
+            pending: Some(Box::pin(claim)),
+            deadline: None,
+            store,
+            record,
+            timeout: shared.store_timeout,
+            lease: options.lease,
+        }
+    }
+}
+
+impl Future for ClaimAttempt {
+    type Output = Result<Claim, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let Some(claim) = this.pending.as_mut() else {
+            panic!("ClaimAttempt polled after completion");
+        };
+        if let Poll::Ready(result) = claim.as_mut().poll(cx) {
+            this.pending = None;
+            return Poll::Ready(result);
+        }
+        let timeout = this.timeout;
+        let deadline = this
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match deadline.as_mut().poll(cx) {
+            // The call stays pending: dropping this attempt hands it on (see `Drop`).
+            Poll::Ready(()) => Poll::Ready(Err(StoreError::Timeout {
+                backend: this.store.backend(),
+                after: timeout,
+            })),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for ClaimAttempt {
     fn drop(&mut self) {
-        self.0.abort();
+        let Some(claim) = self.pending.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        let (record, timeout, lease) = (self.record, self.timeout, self.lease);
+        runtime.spawn(async move {
+            let Ok(Ok(Claim::Acquired(token))) = tokio::time::timeout(lease, claim).await else {
+                return;
+            };
+            match tokio::time::timeout(timeout, store.release(&record, token)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(record = %record.short(), %error, "could not release a claim whose request was abandoned");
+                }
+                Err(_) => {
+                    tracing::warn!(record = %record.short(), "releasing a claim whose request was abandoned timed out");
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use http_body_util::Full;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    use super::*;
+    use crate::record::{Completion, Record};
+    use crate::store::{MemoryStore, Store};
+    use crate::{IdempotencyLayer, policy::RoutePolicy};
+
+    /// A memory store whose claims take `delay` to answer (a slow network store).
+    struct SlowClaims {
+        inner: MemoryStore,
+        delay: Duration,
+        /// Claims the inner store has answered.
+        landed: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for SlowClaims {
+        async fn claim(
+            &self,
+            key: &RecordKey,
+            fingerprint: &FingerprintHash,
+            options: &ClaimOptions,
+        ) -> Result<Claim, StoreError> {
+            tokio::time::sleep(self.delay).await;
+            let claim = self.inner.claim(key, fingerprint, options).await;
+            self.landed.fetch_add(1, Ordering::SeqCst);
+            claim
+        }
+        async fn complete(
+            &self,
+            key: &RecordKey,
+            token: OwnerToken,
+            completion: Completion,
+            ttl: Duration,
+        ) -> Result<Transition, StoreError> {
+            self.inner.complete(key, token, completion, ttl).await
+        }
+        async fn release(
+            &self,
+            key: &RecordKey,
+            token: OwnerToken,
+        ) -> Result<Transition, StoreError> {
+            self.inner.release(key, token).await
+        }
+        async fn renew(
+            &self,
+            key: &RecordKey,
+            token: OwnerToken,
+            lease: Duration,
+        ) -> Result<Transition, StoreError> {
+            self.inner.renew(key, token, lease).await
+        }
+        async fn mark_ambiguous(
+            &self,
+            key: &RecordKey,
+            token: OwnerToken,
+            ttl: Duration,
+        ) -> Result<Transition, StoreError> {
+            self.inner.mark_ambiguous(key, token, ttl).await
+        }
+        async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn backend(&self) -> &'static str {
+            "slow"
+        }
+    }
+
+    fn keyed_post() -> Request<Full<Bytes>> {
+        let mut req = Request::new(Full::new(Bytes::from_static(b"{}")));
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = http::Uri::from_static("/payments");
+        req.headers_mut()
+            .insert("idempotency-key", http::HeaderValue::from_static("k"));
+        req
+    }
+
+    fn record() -> RecordKey {
+        crate::fingerprint::record_key("default", &[header::AUTHORIZATION], &HeaderMap::new(), "k")
+    }
+
+    /// Sends a keyed request through the layer; returns how often the upstream ran.
+    fn service(
+        store: Arc<dyn Store>,
+        store_timeout: Duration,
+        calls: Arc<AtomicUsize>,
+    ) -> impl Service<
+        Request<Full<Bytes>>,
+        Response = Response<ResponseBody<Full<Bytes>>>,
+        Error = Infallible,
+        Future: Send,
+    > {
+        let upstream = service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))) }
+        });
+        IdempotencyLayer::new(store)
+            .default_route(RoutePolicy::api())
+            .store_timeout(store_timeout)
+            .layer(upstream)
+    }
+
+    /// Waits for the slow claim to land, then for its record to be gone.
+    async fn landed_then_released(store: &SlowClaims) -> bool {
+        for _ in 0..200 {
+            let landed = store.landed.load(Ordering::SeqCst) == 1;
+            if landed && store.inner.get(&record()).await.ok().flatten().is_none() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn a_claim_abandoned_by_its_client_is_released_once_it_lands() {
+        let store = Arc::new(SlowClaims {
+            inner: MemoryStore::default(),
+            delay: Duration::from_millis(50),
+            landed: AtomicUsize::new(0),
+        });
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = service(store.clone(), Duration::from_secs(2), calls.clone());
+        // The client hangs up while the claim is still on its way to the store.
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(10), svc.oneshot(keyed_post())).await;
+        assert!(gave_up.is_err());
+        // The claim lands after the client left; it is released, never left in flight.
+        assert!(
+            landed_then_released(&store).await,
+            "the claim was left behind"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_claim_that_outlives_the_store_timeout_is_released_once_it_lands() {
+        let store = Arc::new(SlowClaims {
+            inner: MemoryStore::default(),
+            delay: Duration::from_millis(50),
+            landed: AtomicUsize::new(0),
+        });
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = service(store.clone(), Duration::from_millis(10), calls.clone());
+        let response = svc.oneshot(keyed_post()).await.unwrap();
+        assert_eq!(response.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            landed_then_released(&store).await,
+            "the claim was left behind"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
     }
 }

@@ -29,7 +29,11 @@ use self::config::{Overrides, Settings};
 /// The command line. Every option can also come from an `IDEMGATE_*` environment variable;
 /// a flag wins over the variable, and both win over the config file.
 #[derive(Debug, Parser)]
-#[command(name = "idemgate", version, about = "HTTP idempotency-key gateway: runs each keyed request once and replays its response to retries")]
+#[command(
+    name = "idemgate",
+    version,
+    about = "HTTP idempotency-key gateway: runs each keyed request once and replays its response to retries"
+)]
 pub struct Cli {
     /// TOML config file (see config/idemgate.toml).
     #[arg(long, env = "IDEMGATE_CONFIG", value_name = "FILE")]
@@ -50,7 +54,12 @@ pub struct Cli {
     #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<String>,
     /// Bearer token for the admin record endpoints (prefer the environment variable).
-    #[arg(long, env = "IDEMGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
     pub admin_token: Option<String>,
     /// Log line format.
     #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -109,9 +118,13 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     // used about a fifth less CPU per request than a one-worker multi-threaded runtime.
     let one_core = std::thread::available_parallelism().is_ok_and(|n| n.get() == 1);
     let runtime = if one_core {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
     } else {
-        tokio::runtime::Builder::new_multi_thread().enable_all().build()
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
     };
     let runtime = match runtime {
         Ok(runtime) => runtime,
@@ -135,7 +148,10 @@ pub async fn shutdown_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
             (Ok(mut term), Ok(mut int)) => {
                 tokio::select! {
                     _ = term.recv() => tracing::info!("SIGTERM received"),

@@ -6,9 +6,11 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
+use bytes::BytesMut;
+use http::{HeaderMap, HeaderValue};
 
 use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
-use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
+use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey, StoredResponse};
 
 /// Most expired records removed under one shard lock by the background sweep, so no lock is
 /// held long.
@@ -375,6 +377,36 @@ fn set_expiry(
     }
 }
 
+/// A copy of `stored` that owns exactly its bytes: the header values and the body in one
+/// allocation. A response read from a connection is a view into that connection's read
+/// buffer (8 KiB or more, shared by everything read with it), and a record that kept the view
+/// would keep the whole buffer alive for its lifetime: several times the bytes it stores.
+fn compact(stored: StoredResponse) -> StoredResponse {
+    let values: usize = stored.headers.values().map(HeaderValue::len).sum();
+    let mut buf = BytesMut::with_capacity(values + stored.body.len());
+    for value in stored.headers.values() {
+        buf.extend_from_slice(value.as_bytes());
+    }
+    buf.extend_from_slice(&stored.body);
+    let buf = buf.freeze();
+    let mut headers = HeaderMap::with_capacity(stored.headers.len());
+    let mut at = 0;
+    for (name, value) in &stored.headers {
+        let end = at + value.len();
+        // The bytes were a valid value a moment ago; should they not be, keep the original.
+        let mut copy =
+            HeaderValue::from_maybe_shared(buf.slice(at..end)).unwrap_or_else(|_| value.clone());
+        copy.set_sensitive(value.is_sensitive());
+        headers.append(name.clone(), copy);
+        at = end;
+    }
+    StoredResponse {
+        status: stored.status,
+        headers,
+        body: buf.slice(at..),
+    }
+}
+
 /// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
 /// under the lock is a few infallible map operations), so a poisoned lock is taken as is.
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -439,7 +471,10 @@ impl Store for MemoryStore {
         completion: Completion,
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        let completion = Arc::new(completion);
+        let completion = Arc::new(match completion {
+            Completion::Response(stored) => Completion::Response(compact(stored)),
+            too_large @ Completion::TooLarge { .. } => too_large,
+        });
         Ok(self.inner.fenced(key, token, |shard, now| {
             shard.reschedule(key, now + ttl);
             if let Some(entry) = shard.entries.get_mut(key) {
@@ -771,5 +806,39 @@ mod tests {
         let (expires, indexed) = *shard.expiries.first().unwrap();
         assert_eq!(indexed, k);
         assert_eq!(expires, shard.entries[&k].expires);
+    }
+
+    #[test]
+    fn kept_responses_own_exactly_their_bytes() {
+        // A response as a connection delivers it: every part a view into one large buffer.
+        let wire = bytes::Bytes::from(
+            b"aa|two|second|{\"ok\":true}|and the rest of the read buffer".to_vec(),
+        );
+        let view = |range: std::ops::Range<usize>| {
+            HeaderValue::from_maybe_shared(wire.slice(range)).unwrap()
+        };
+        let mut headers = HeaderMap::new();
+        headers.append("x-one", view(0..2));
+        headers.append("x-two", view(3..6));
+        headers.append("x-two", view(7..13));
+        let original = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers,
+            body: wire.slice(14..25),
+        };
+        let kept = compact(original.clone());
+        assert_eq!(kept, original);
+        assert_eq!(
+            kept.headers.get_all("x-two").iter().collect::<Vec<_>>(),
+            ["two", "second"]
+        );
+        assert_eq!(kept.body.as_ref(), br#"{"ok":true}"#);
+        // Nothing of the large buffer is shared any more: the original view is its only
+        // other owner, so it can be turned back into a unique buffer once the copy exists.
+        drop(original);
+        assert!(
+            wire.try_into_mut().is_ok(),
+            "the record still holds the read buffer"
+        );
     }
 }

@@ -26,12 +26,12 @@ pub mod headers;
 pub mod key;
 mod layer;
 pub mod policy;
+#[cfg(feature = "proxy")]
+pub mod proxy;
 pub mod record;
 pub mod response;
 mod service;
 pub mod store;
-#[cfg(feature = "proxy")]
-pub mod proxy;
 
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_STORE_TIMEOUT, IdempotencyLayer, LayerStats};

@@ -12,7 +12,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // IDEMGATE_LOG takes the usual filter syntax (`info`, `idemgate=debug,hyper=warn`).
     let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr)
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     match cli.log_format {
         LogFormat::Text => logs.init(),

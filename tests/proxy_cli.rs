@@ -11,7 +11,11 @@ use std::process::Output;
 use support::{TempDir, gateway_command};
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
-    gateway_command().args(args).envs(env.iter().copied()).output().expect("run idemgate")
+    gateway_command()
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run idemgate")
 }
 
 fn stdout(o: &Output) -> String {
@@ -33,7 +37,10 @@ fn shipped_configs_pass_check_config() {
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         assert!(stdout(&out).starts_with("ok"), "{name}: {}", stdout(&out));
     }
-    let out = run(&["--check-config", "--config", &sample("webhooks.toml")], &[]);
+    let out = run(
+        &["--check-config", "--config", &sample("webhooks.toml")],
+        &[],
+    );
     assert!(stdout(&out).contains("4 route(s)"), "{}", stdout(&out));
 }
 
@@ -43,60 +50,148 @@ fn bad_configs_exit_non_zero_naming_the_field() {
     let up = "upstream = \"http://127.0.0.1:3000\"\n";
     let cases = [
         (format!("{up}ttl = \"forever\""), "ttl", "not a duration"),
-        (format!("{up}lissten = \"127.0.0.1:1\""), "lissten", "unknown field"),
-        ("upstream = \"https://api.example\"".to_owned(), "upstream", "https"),
+        (
+            format!("{up}lissten = \"127.0.0.1:1\""),
+            "lissten",
+            "unknown field",
+        ),
+        (
+            "upstream = \"https://api.example\"".to_owned(),
+            "upstream",
+            "https",
+        ),
         (format!("{up}store = \"sqlite:x\""), "store", "redb:PATH"),
-        (format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"quick\""), "routes[0].preset", "webhook"),
-        (format!("{up}[[routes]]\nprefix = \"/a\"\nstore_statuses = [\"2xx\", \"7xx\"]"), "routes[0].store_statuses", "7xx"),
-        (format!("{up}[limits]\nmax_connections = 0"), "limits.max_connections", "1 to"),
-        ("listen = \"127.0.0.1:8080\"".to_owned(), "upstream", "required"),
-        (format!("{up}upstream_timeout = \"1s\"\n[[routes]]\nprefix = \"/a\"\nconcurrent = \"sometimes\""), "routes[0].concurrent", "\"wait\""),
+        (
+            format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"quick\""),
+            "routes[0].preset",
+            "webhook",
+        ),
+        (
+            format!("{up}[[routes]]\nprefix = \"/a\"\nstore_statuses = [\"2xx\", \"7xx\"]"),
+            "routes[0].store_statuses",
+            "7xx",
+        ),
+        (
+            format!("{up}[limits]\nmax_connections = 0"),
+            "limits.max_connections",
+            "1 to",
+        ),
+        (
+            "listen = \"127.0.0.1:8080\"".to_owned(),
+            "upstream",
+            "required",
+        ),
+        (
+            format!(
+                "{up}upstream_timeout = \"1s\"\n[[routes]]\nprefix = \"/a\"\nconcurrent = \"sometimes\""
+            ),
+            "routes[0].concurrent",
+            "\"wait\"",
+        ),
         ("this is not toml".to_owned(), "idemgate.toml", "expected"),
     ];
     for (text, field, hint) in cases {
         let path = dir.write("idemgate.toml", &text);
         let path = path.to_str().unwrap();
-        for args in [vec!["--check-config", "--config", path], vec!["--config", path, "--listen", "127.0.0.1:0"]] {
+        for args in [
+            vec!["--check-config", "--config", path],
+            vec!["--config", path, "--listen", "127.0.0.1:0"],
+        ] {
             let out = run(&args, &[]);
             assert!(!out.status.success(), "{text:?} was accepted");
             let err = stderr(&out);
-            assert!(err.contains(field) && err.contains(hint), "for {text:?} expected {field:?} and {hint:?} in: {err}");
+            assert!(
+                err.contains(field) && err.contains(hint),
+                "for {text:?} expected {field:?} and {hint:?} in: {err}"
+            );
         }
     }
-    let out = run(&["--check-config", "--config", "/nonexistent/idemgate.toml"], &[]);
+    let out = run(
+        &["--check-config", "--config", "/nonexistent/idemgate.toml"],
+        &[],
+    );
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("/nonexistent/idemgate.toml"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("/nonexistent/idemgate.toml"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
 fn flags_win_over_environment_which_wins_over_the_file() {
     let dir = TempDir::new();
-    let path = dir.write("idemgate.toml", "upstream = \"http://127.0.0.1:1001\"\nstore = \"memory\"\n");
+    let path = dir.write(
+        "idemgate.toml",
+        "upstream = \"http://127.0.0.1:1001\"\nstore = \"memory\"\n",
+    );
     let path = path.to_str().unwrap();
     let file_only = run(&["--check-config", "--config", path], &[]);
-    assert!(stdout(&file_only).contains("127.0.0.1:1001"), "{}", stdout(&file_only));
+    assert!(
+        stdout(&file_only).contains("127.0.0.1:1001"),
+        "{}",
+        stdout(&file_only)
+    );
 
-    let env = [("IDEMGATE_UPSTREAM", "http://127.0.0.1:1002"), ("IDEMGATE_STORE", "redb:/tmp/x.redb")];
+    let env = [
+        ("IDEMGATE_UPSTREAM", "http://127.0.0.1:1002"),
+        ("IDEMGATE_STORE", "redb:/tmp/x.redb"),
+    ];
     let with_env = run(&["--check-config", "--config", path], &env);
-    assert!(stdout(&with_env).contains("127.0.0.1:1002"), "{}", stdout(&with_env));
-    assert!(stdout(&with_env).contains("redb:/tmp/x.redb"), "{}", stdout(&with_env));
+    assert!(
+        stdout(&with_env).contains("127.0.0.1:1002"),
+        "{}",
+        stdout(&with_env)
+    );
+    assert!(
+        stdout(&with_env).contains("redb:/tmp/x.redb"),
+        "{}",
+        stdout(&with_env)
+    );
 
-    let with_flag = run(&["--check-config", "--config", path, "--upstream", "http://127.0.0.1:1003"], &env);
-    assert!(stdout(&with_flag).contains("127.0.0.1:1003"), "{}", stdout(&with_flag));
+    let with_flag = run(
+        &[
+            "--check-config",
+            "--config",
+            path,
+            "--upstream",
+            "http://127.0.0.1:1003",
+        ],
+        &env,
+    );
+    assert!(
+        stdout(&with_flag).contains("127.0.0.1:1003"),
+        "{}",
+        stdout(&with_flag)
+    );
 
     // The config file itself can come from the environment.
     let env_config = run(&["--check-config"], &[("IDEMGATE_CONFIG", path)]);
-    assert!(stdout(&env_config).contains("127.0.0.1:1001"), "{}", stdout(&env_config));
+    assert!(
+        stdout(&env_config).contains("127.0.0.1:1001"),
+        "{}",
+        stdout(&env_config)
+    );
 
     // A bad value from the environment is refused and named too.
-    let bad_env = run(&["--check-config", "--config", path], &[("IDEMGATE_TTL", "soon")]);
+    let bad_env = run(
+        &["--check-config", "--config", path],
+        &[("IDEMGATE_TTL", "soon")],
+    );
     assert!(!bad_env.status.success());
     assert!(stderr(&bad_env).contains("ttl"), "{}", stderr(&bad_env));
 }
 
 #[test]
 fn runs_with_no_config_file() {
-    let out = run(&["--check-config", "--upstream", "http://127.0.0.1:3000"], &[]);
+    let out = run(
+        &["--check-config", "--upstream", "http://127.0.0.1:3000"],
+        &[],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).contains("redb:./data/idemgate.redb"), "the default store is the embedded file: {}", stdout(&out));
+    assert!(
+        stdout(&out).contains("redb:./data/idemgate.redb"),
+        "the default store is the embedded file: {}",
+        stdout(&out)
+    );
 }

@@ -7,7 +7,9 @@ mod support;
 
 use std::time::Duration;
 
-use support::{Gateway, TempDir, TestUpstream, admin_get, eventually, free_addr, raw, send, send_h2c};
+use support::{
+    Gateway, TempDir, TestUpstream, admin_get, eventually, free_addr, raw, send, send_h2c,
+};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
@@ -51,7 +53,9 @@ name = "required"
 require_key = true
 "#
     );
-    dir.write("idemgate.toml", &text).to_string_lossy().into_owned()
+    dir.write("idemgate.toml", &text)
+        .to_string_lossy()
+        .into_owned()
 }
 
 struct Setup {
@@ -69,7 +73,11 @@ async fn setup_with(extra: &str) -> Setup {
     let dir = TempDir::new();
     let path = config(&dir, &upstream.url(), extra);
     let gw = Gateway::start(&["--config", &path]);
-    Setup { upstream, gw, _dir: dir }
+    Setup {
+        upstream,
+        gw,
+        _dir: dir,
+    }
 }
 
 fn key(k: &str) -> (&'static str, &str) {
@@ -93,7 +101,11 @@ async fn nothing_stored_executes_then_completed_same_replays() {
     assert!(again.replayed(), "a retry is a replay: {:?}", again.headers);
     assert_eq!(again.body, first.body, "replayed byte for byte");
     assert_eq!(again.headers["x-upstream-n"], "1");
-    assert_eq!(s.upstream.hits("/charges"), 1, "the upstream is not called again");
+    assert_eq!(
+        s.upstream.hits("/charges"),
+        1,
+        "the upstream is not called again"
+    );
 
     // The log line carries the route, outcome and a short record hash, never the raw key.
     let logs = eventually(40, || async {
@@ -102,8 +114,14 @@ async fn nothing_stored_executes_then_completed_same_replays() {
     })
     .await
     .expect("a log line for the replay");
-    assert!(logs.contains("executed") && logs.contains("route=default"), "{logs}");
-    assert!(!logs.contains("k-1"), "the raw key never reaches the logs:\n{logs}");
+    assert!(
+        logs.contains("executed") && logs.contains("route=default"),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("k-1"),
+        "the raw key never reaches the logs:\n{logs}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -116,7 +134,10 @@ async fn different_request_with_a_used_key_is_422_and_not_forwarded() {
     assert_eq!(other.status, 422);
     assert_eq!(other.problem_type(), "urn:idemgate:problem:key-mismatch");
     let other_path = send("POST", &s.gw.url("/refunds"), &[key("k-2")], "a").await;
-    assert_eq!(other_path.status, 422, "the path is part of the fingerprint");
+    assert_eq!(
+        other_path.status, 422,
+        "the path is part of the fingerprint"
+    );
     assert_eq!(s.upstream.total_hits(), 1);
 }
 
@@ -128,12 +149,17 @@ async fn in_flight_same_is_409_with_retry_after_and_different_is_422() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-3"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async { (s.upstream.hits("/slow") == 1).then_some(()) })
-        .await
-        .expect("the first request reaches the upstream");
+    eventually(100, || async {
+        (s.upstream.hits("/slow") == 1).then_some(())
+    })
+    .await
+    .expect("the first request reaches the upstream");
     let busy = send("POST", &url, &[key("k-3")], "x").await;
     assert_eq!(busy.status, 409);
-    assert_eq!(busy.problem_type(), "urn:idemgate:problem:request-in-flight");
+    assert_eq!(
+        busy.problem_type(),
+        "urn:idemgate:problem:request-in-flight"
+    );
     assert!(busy.headers.contains_key("retry-after"));
     let mismatch = send("POST", &url, &[key("k-3")], "y").await;
     assert_eq!(mismatch.status, 422);
@@ -153,9 +179,11 @@ async fn in_flight_same_on_a_wait_route_waits_and_replays() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-4"), ("x-delay-ms", "800")], "x").await }
     });
-    eventually(100, || async { (s.upstream.hits("/wait/op") == 1).then_some(()) })
-        .await
-        .expect("the first request reaches the upstream");
+    eventually(100, || async {
+        (s.upstream.hits("/wait/op") == 1).then_some(())
+    })
+    .await
+    .expect("the first request reaches the upstream");
     let waited = send("POST", &url, &[key("k-4")], "x").await;
     assert_eq!(waited.status, 201, "{}", waited.text());
     assert!(waited.replayed());
@@ -170,14 +198,24 @@ async fn ambiguous_record_answers_502_until_an_operator_deletes_it() {
     // Past upstream_timeout (1.5 s): 504, and on the api preset the record turns ambiguous.
     let timed_out = send("POST", &url, &[key("k-5"), ("x-delay-ms", "3000")], "x").await;
     assert_eq!(timed_out.status, 504);
-    assert_eq!(timed_out.problem_type(), "urn:idemgate:problem:upstream-timeout");
+    assert_eq!(
+        timed_out.problem_type(),
+        "urn:idemgate:problem:upstream-timeout"
+    );
 
     let unknown = send("POST", &url, &[key("k-5")], "x").await;
     assert_eq!(unknown.status, 502);
-    assert_eq!(unknown.problem_type(), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(
+        unknown.problem_type(),
+        "urn:idemgate:problem:outcome-unknown"
+    );
     let mismatch = send("POST", &url, &[key("k-5")], "other").await;
     assert_eq!(mismatch.status, 422);
-    assert_eq!(s.upstream.hits("/transfer"), 1, "an ambiguous request never runs again on its own");
+    assert_eq!(
+        s.upstream.hits("/transfer"),
+        1,
+        "an ambiguous request never runs again on its own"
+    );
 
     // The operator looks the key up and deletes the record.
     let auth = ("authorization", &*format!("Bearer {TOKEN}"));
@@ -187,7 +225,13 @@ async fn ambiguous_record_answers_502_until_an_operator_deletes_it() {
     let hex = record.json()["record"].as_str().unwrap().to_owned();
     let by_hash = admin_get(&s.gw, &format!("/records/{hex}"), &[auth]).await;
     assert_eq!(by_hash.json()["state"], "ambiguous");
-    let deleted = send("DELETE", &format!("http://{}/records/{hex}", s.gw.admin), &[auth], "").await;
+    let deleted = send(
+        "DELETE",
+        &format!("http://{}/records/{hex}", s.gw.admin),
+        &[auth],
+        "",
+    )
+    .await;
     assert_eq!(deleted.status, 204);
 
     let runs = send("POST", &url, &[key("k-5")], "x").await;
@@ -199,7 +243,12 @@ async fn ambiguous_record_answers_502_until_an_operator_deletes_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_that_take_no_part_pass_through() {
     let s = setup().await;
-    for (method, k) in [("GET", Some("k-6")), ("PUT", Some("k-6")), ("POST", None), ("DELETE", None)] {
+    for (method, k) in [
+        ("GET", Some("k-6")),
+        ("PUT", Some("k-6")),
+        ("POST", None),
+        ("DELETE", None),
+    ] {
         let headers: Vec<(&str, &str)> = k.map(key).into_iter().collect();
         let a = send(method, &s.gw.url("/things"), &headers, "x").await;
         let b = send(method, &s.gw.url("/things"), &headers, "x").await;
@@ -230,7 +279,10 @@ async fn bad_keys_missing_required_keys_and_large_bodies_are_refused_without_for
     )
     .await;
     assert!(too_large.starts_with("HTTP/1.1 413"), "{too_large}");
-    assert!(too_large.contains("urn:idemgate:problem:request-too-large"), "{too_large}");
+    assert!(
+        too_large.contains("urn:idemgate:problem:request-too-large"),
+        "{too_large}"
+    );
     assert_eq!(s.upstream.total_hits(), 0);
 }
 
@@ -242,7 +294,11 @@ async fn statuses_the_preset_does_not_store_release_the_key() {
     let again = send("POST", &url, &[key("k-8")], "x").await;
     assert_eq!(again.status, 503);
     assert!(!again.replayed());
-    assert_eq!(s.upstream.hits("/status/503"), 2, "a 5xx is not stored on the api preset");
+    assert_eq!(
+        s.upstream.hits("/status/503"),
+        2,
+        "a 5xx is not stored on the api preset"
+    );
     // A 404 is stored.
     let url = s.gw.url("/status/404");
     assert_eq!(send("POST", &url, &[key("k-9")], "x").await.status, 404);
@@ -257,7 +313,11 @@ async fn webhook_routes_take_the_delivery_id_from_a_header_or_the_body() {
     let delivery = ("x-github-delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958");
     assert_eq!(send("POST", &gh, &[delivery], "{}").await.status, 201);
     assert!(send("POST", &gh, &[delivery], "{}").await.replayed());
-    assert_eq!(send("POST", &gh, &[], "{}").await.status, 400, "a delivery without its id is refused");
+    assert_eq!(
+        send("POST", &gh, &[], "{}").await.status,
+        400,
+        "a delivery without its id is refused"
+    );
     assert_eq!(s.upstream.hits("/hooks/github"), 1);
 
     let stripe = s.gw.url("/hooks/stripe");
@@ -267,7 +327,12 @@ async fn webhook_routes_take_the_delivery_id_from_a_header_or_the_body() {
     assert_eq!(s.upstream.hits("/hooks/stripe"), 1);
     // A webhook's 500 is not stored: the sender's retry runs it again.
     let d2 = ("x-github-delivery", "d-2");
-    assert_eq!(send("POST", &gh, &[d2, ("x-status", "500")], "{}").await.status, 500);
+    assert_eq!(
+        send("POST", &gh, &[d2, ("x-status", "500")], "{}")
+            .await
+            .status,
+        500
+    );
     let retried = send("POST", &gh, &[d2, ("x-status", "500")], "{}").await;
     assert_eq!(retried.status, 500);
     assert!(!retried.replayed());
@@ -284,7 +349,13 @@ async fn fifty_concurrent_requests_with_one_key_execute_once() {
     for _ in 0..50 {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
-            send("POST", &url, &[key("k-race"), ("x-delay-ms", "300")], "same").await
+            send(
+                "POST",
+                &url,
+                &[key("k-race"), ("x-delay-ms", "300")],
+                "same",
+            )
+            .await
         }));
     }
     let mut executed = 0;
@@ -297,7 +368,11 @@ async fn fifty_concurrent_requests_with_one_key_execute_once() {
         }
     }
     assert_eq!(executed, 1);
-    assert_eq!(s.upstream.hits("/race"), 1, "exactly one request reached the upstream");
+    assert_eq!(
+        s.upstream.hits("/race"),
+        1,
+        "exactly one request reached the upstream"
+    );
     let after = send("POST", &url, &[key("k-race")], "same").await;
     assert!(after.replayed());
 }
@@ -305,15 +380,17 @@ async fn fifty_concurrent_requests_with_one_key_execute_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
     let s = setup().await;
-    let request = format!(
-        "POST /hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-hang\r\nX-Delay-Ms: 500\r\nContent-Length: 4\r\n\r\nbody"
-    );
+    let request = "POST /hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-hang\r\nX-Delay-Ms: 500\r\nContent-Length: 4\r\n\r\nbody";
     {
         let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
-        tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes()).await.unwrap();
-        eventually(100, || async { (s.upstream.hits("/hangup") == 1).then_some(()) })
+        tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
             .await
-            .expect("the request reaches the upstream");
+            .unwrap();
+        eventually(100, || async {
+            (s.upstream.hits("/hangup") == 1).then_some(())
+        })
+        .await
+        .expect("the request reaches the upstream");
         // The client goes away before the answer.
     }
     let replay = eventually(100, || async {
@@ -323,7 +400,10 @@ async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
     .await
     .expect("the first request finishes");
     assert_eq!(replay.status, 201);
-    assert!(replay.replayed(), "the hung-up request's response was stored");
+    assert!(
+        replay.replayed(),
+        "the hung-up request's response was stored"
+    );
     assert_eq!(s.upstream.hits("/hangup"), 1);
 }
 
@@ -335,11 +415,19 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
     let gw = Gateway::start(&["--config", &path]);
     let down = send("POST", &gw.url("/pay"), &[key("k-down")], "x").await;
     assert_eq!(down.status, 502);
-    assert_eq!(down.problem_type(), "urn:idemgate:problem:upstream-unreachable");
+    assert_eq!(
+        down.problem_type(),
+        "urn:idemgate:problem:upstream-unreachable"
+    );
 
     let upstream = TestUpstream::start_on(addr).await;
     let up = send("POST", &gw.url("/pay"), &[key("k-down")], "x").await;
-    assert_eq!(up.status, 201, "nothing was sent, so the key was released: {}", up.text());
+    assert_eq!(
+        up.status,
+        201,
+        "nothing was sent, so the key was released: {}",
+        up.text()
+    );
     assert!(!up.replayed());
     assert_eq!(upstream.hits("/pay"), 1);
 }
@@ -347,11 +435,23 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_upstream_is_504() {
     let s = setup().await;
-    let r = send("POST", &s.gw.url("/hooks/github"), &[("x-github-delivery", "d-slow"), ("x-delay-ms", "3000")], "{}").await;
+    let r = send(
+        "POST",
+        &s.gw.url("/hooks/github"),
+        &[("x-github-delivery", "d-slow"), ("x-delay-ms", "3000")],
+        "{}",
+    )
+    .await;
     assert_eq!(r.status, 504);
     assert_eq!(r.problem_type(), "urn:idemgate:problem:upstream-timeout");
     // On the webhook preset the unknown outcome is retried: the next delivery runs.
-    let retry = send("POST", &s.gw.url("/hooks/github"), &[("x-github-delivery", "d-slow")], "{}").await;
+    let retry = send(
+        "POST",
+        &s.gw.url("/hooks/github"),
+        &[("x-github-delivery", "d-slow")],
+        "{}",
+    )
+    .await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed());
     assert_eq!(s.upstream.hits("/hooks/github"), 2);
@@ -371,14 +471,22 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-term"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async { (upstream.hits("/drain") == 1).then_some(()) })
-        .await
-        .expect("the request reaches the upstream");
+    eventually(100, || async {
+        (upstream.hits("/drain") == 1).then_some(())
+    })
+    .await
+    .expect("the request reaches the upstream");
     gw.sigterm();
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201, "the open request is answered");
-    let status = gw.wait_exit(Duration::from_secs(20)).expect("the gateway exits");
-    assert!(status.success(), "exit status {status:?}; logs:\n{}", gw.logs());
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .expect("the gateway exits");
+    assert!(
+        status.success(),
+        "exit status {status:?}; logs:\n{}",
+        gw.logs()
+    );
 
     // Restarted on the same file, the retry is a replay.
     let gw = Gateway::start(&["--upstream", &upstream.url(), "--store", &store]);
@@ -408,31 +516,70 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
     let response = raw(s.gw.addr, request.as_bytes()).await;
     assert!(response.starts_with("HTTP/1.1 201"), "{response}");
     let seen = s.upstream.last_headers();
-    for gone in ["connection", "x-hop", "keep-alive", "proxy-authorization", "te", "idempotent-replayed"] {
-        assert!(!seen.contains_key(gone), "{gone} reached the upstream: {seen:?}");
+    for gone in [
+        "connection",
+        "x-hop",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "idempotent-replayed",
+    ] {
+        assert!(
+            !seen.contains_key(gone),
+            "{gone} reached the upstream: {seen:?}"
+        );
     }
-    assert_eq!(seen["host"], s.upstream.addr.to_string(), "the upstream comes only from the config");
+    assert_eq!(
+        seen["host"],
+        s.upstream.addr.to_string(),
+        "the upstream comes only from the config"
+    );
     assert_eq!(seen["x-forwarded-host"], "public.example");
     assert_eq!(seen["x-forwarded-proto"], "http");
     assert_eq!(seen["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
     assert_eq!(seen["idempotency-key"], "k-hop", "the key is forwarded");
-    assert_eq!(s.upstream.hits("/echo"), 1, "an absolute-form target goes to the configured upstream");
+    assert_eq!(
+        s.upstream.hits("/echo"),
+        1,
+        "an absolute-form target goes to the configured upstream"
+    );
 
     // Upstream → client, for an executed, a replayed and a passed-through response.
-    for (method, k) in [("POST", Some("k-spoof")), ("POST", Some("k-spoof")), ("GET", None)] {
+    for (method, k) in [
+        ("POST", Some("k-spoof")),
+        ("POST", Some("k-spoof")),
+        ("GET", None),
+    ] {
         let headers: Vec<(&str, &str)> = k.map(key).into_iter().collect();
         let r = send(method, &s.gw.url("/spoof"), &headers, "").await;
         assert_eq!(r.status, 201);
-        for gone in ["x-internal", "keep-alive", "proxy-authenticate", "connection"] {
-            assert!(!r.headers.contains_key(gone), "{gone} reached the client: {:?}", r.headers);
+        for gone in [
+            "x-internal",
+            "keep-alive",
+            "proxy-authenticate",
+            "connection",
+        ] {
+            assert!(
+                !r.headers.contains_key(gone),
+                "{gone} reached the client: {:?}",
+                r.headers
+            );
         }
         assert_eq!(r.headers["x-end-to-end"], "kept");
         let replay_mark = r.headers.get("idempotent-replayed");
         if method == "GET" || !r.replayed() {
-            assert!(replay_mark.is_none(), "a forged Idempotent-Replayed crossed: {:?}", r.headers);
+            assert!(
+                replay_mark.is_none(),
+                "a forged Idempotent-Replayed crossed: {:?}",
+                r.headers
+            );
         }
     }
-    assert_eq!(s.upstream.hits("/spoof"), 2, "one execution and one passed-through GET");
+    assert_eq!(
+        s.upstream.hits("/spoof"),
+        2,
+        "one execution and one passed-through GET"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -443,7 +590,10 @@ async fn h2c_clients_are_served() {
     let again = send_h2c("POST", &s.gw.url("/h2"), &[key("k-h2")], "x").await;
     assert!(again.replayed());
     assert_eq!(s.upstream.hits("/h2"), 1);
-    assert_eq!(s.upstream.last_headers()["x-forwarded-host"], s.gw.addr.to_string());
+    assert_eq!(
+        s.upstream.last_headers()["x-forwarded-host"],
+        s.gw.addr.to_string()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -464,10 +614,17 @@ async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
         async move { send("GET", &url, &[], "").await }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(s.upstream.hits("/third"), 0, "no third connection is served at the limit");
+    assert_eq!(
+        s.upstream.hits("/third"),
+        0,
+        "no third connection is served at the limit"
+    );
     drop((a, b));
     // The idle ones are also cut after header_read_timeout; either way a slot frees.
-    let r = tokio::time::timeout(Duration::from_secs(10), third).await.expect("served once a slot frees").unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), third)
+        .await
+        .expect("served once a slot frees")
+        .unwrap();
     assert_eq!(r.status, 201);
 }
 
@@ -497,14 +654,24 @@ async fn admin_health_readiness_metrics_and_token() {
     // Record endpoints: a token is required and checked.
     let none = admin_get(&s.gw, "/keys?route=default&key=k-m", &[]).await;
     assert_eq!(none.status, 401);
-    let wrong = admin_get(&s.gw, "/keys?route=default&key=k-m", &[("authorization", "Bearer wrong-token-0123456789")]).await;
+    let wrong = admin_get(
+        &s.gw,
+        "/keys?route=default&key=k-m",
+        &[("authorization", "Bearer wrong-token-0123456789")],
+    )
+    .await;
     assert_eq!(wrong.status, 401);
     let auth = ("authorization", &*format!("Bearer {TOKEN}"));
     let ok = admin_get(&s.gw, "/keys?route=default&key=k-m", &[auth]).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
     assert_eq!(ok.json()["state"], "completed");
     assert_eq!(ok.json()["response"]["status"], 201);
-    let scoped = admin_get(&s.gw, "/keys?route=default&key=k-m&authorization=Bearer%20alice", &[auth]).await;
+    let scoped = admin_get(
+        &s.gw,
+        "/keys?route=default&key=k-m&authorization=Bearer%20alice",
+        &[auth],
+    )
+    .await;
     assert_eq!(scoped.status, 404, "another caller's scope holds no record");
     let unknown_route = admin_get(&s.gw, "/keys?route=nope&key=k-m", &[auth]).await;
     assert_eq!(unknown_route.status, 404);
@@ -514,7 +681,12 @@ async fn admin_health_readiness_metrics_and_token() {
 async fn record_endpoints_are_off_without_a_token() {
     let upstream = TestUpstream::start().await;
     let gw = Gateway::start(&["--upstream", &upstream.url(), "--store", "memory"]);
-    let r = admin_get(&gw, &format!("/records/{}", "0".repeat(64)), &[("authorization", "Bearer x")]).await;
+    let r = admin_get(
+        &gw,
+        &format!("/records/{}", "0".repeat(64)),
+        &[("authorization", "Bearer x")],
+    )
+    .await;
     assert_eq!(r.status, 404);
     assert!(r.text().contains("admin_token"), "{}", r.text());
 }
@@ -522,15 +694,29 @@ async fn record_endpoints_are_off_without_a_token() {
 #[tokio::test(flavor = "multi_thread")]
 async fn json_logs_are_one_object_per_line() {
     let upstream = TestUpstream::start().await;
-    let gw = Gateway::start(&["--upstream", &upstream.url(), "--store", "memory", "--log-format", "json"]);
+    let gw = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--store",
+        "memory",
+        "--log-format",
+        "json",
+    ]);
     send("POST", &gw.url("/j"), &[key("k-json")], "x").await;
     let line = eventually(40, || async {
-        gw.logs().lines().find(|l| l.contains("\"outcome\":\"executed\"")).map(str::to_owned)
+        gw.logs()
+            .lines()
+            .find(|l| l.contains("\"outcome\":\"executed\""))
+            .map(str::to_owned)
     })
     .await
     .unwrap_or_else(|| panic!("no JSON request line in\n{}", gw.logs()));
     let v: serde_json::Value = serde_json::from_str(&line).expect("one JSON object per line");
     assert_eq!(v["fields"]["route"], "default");
     assert_eq!(v["fields"]["status"], 201);
-    assert!(v["fields"]["record"].as_str().is_some_and(|r| r.len() == 16));
+    assert!(
+        v["fields"]["record"]
+            .as_str()
+            .is_some_and(|r| r.len() == 16)
+    );
 }

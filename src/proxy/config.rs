@@ -85,7 +85,10 @@ pub enum ConfigError {
 
 impl ConfigError {
     fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Invalid { field: field.into(), message: message.into() }
+        Self::Invalid {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 
     /// The field the error is about, when it is about one.
@@ -221,9 +224,9 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size; expected e.g. 1048576, \"64KiB\" or \"10MiB\""))?;
+    let n: u64 = num.parse().map_err(|_| {
+        format!("{s:?} is not a size; expected e.g. 1048576, \"64KiB\" or \"10MiB\"")
+    })?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "KiB" => 1 << 10,
@@ -238,7 +241,8 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// Reads a duration: an integer and a unit, `ms`, `s`, `m`, `h` or `d` (`"500ms"`, `"30s"`,
@@ -262,7 +266,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         }
         let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
         rest = &rest[digits..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
         let part = match &rest[..unit_len] {
             "ms" => Duration::from_millis(n),
             "s" => Duration::from_secs(n),
@@ -317,9 +323,13 @@ impl StoreSpec {
             }
             Ok(StoreSpec::Redb(PathBuf::from(path)))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
-            let uri: Uri = s.parse().map_err(|e| format!("{s:?} is not a valid URL: {e}"))?;
+            let uri: Uri = s
+                .parse()
+                .map_err(|e| format!("{s:?} is not a valid URL: {e}"))?;
             if uri.host().is_none_or(str::is_empty) {
-                return Err(format!("{s:?} names no host; expected redis://HOST:PORT[/DB]"));
+                return Err(format!(
+                    "{s:?} names no host; expected redis://HOST:PORT[/DB]"
+                ));
             }
             Ok(StoreSpec::Redis(s.to_owned()))
         } else {
@@ -385,18 +395,30 @@ impl Upstream {
                      use an http:// URL to the service (run idemgate next to it)"
                 ));
             }
-            _ => return Err(format!("{s:?} is not an http:// URL; expected e.g. \"http://127.0.0.1:3000\"")),
+            _ => {
+                return Err(format!(
+                    "{s:?} is not an http:// URL; expected e.g. \"http://127.0.0.1:3000\""
+                ));
+            }
         }
         let authority = uri
             .authority()
             .filter(|a| !a.host().is_empty())
             .cloned()
-            .ok_or_else(|| format!("{s:?} names no host; expected e.g. \"http://127.0.0.1:3000\""))?;
+            .ok_or_else(|| {
+                format!("{s:?} names no host; expected e.g. \"http://127.0.0.1:3000\"")
+            })?;
         if uri.query().is_some() {
-            return Err(format!("{s:?} has a query; the upstream URL takes a base path only"));
+            return Err(format!(
+                "{s:?} has a query; the upstream URL takes a base path only"
+            ));
         }
         let base_path = uri.path().trim_end_matches('/').to_owned();
-        Ok(Self { uri, authority, base_path })
+        Ok(Self {
+            uri,
+            authority,
+            base_path,
+        })
     }
 }
 
@@ -476,7 +498,10 @@ impl Settings {
         if self.default_route.route_name() == name {
             return Some(&self.default_route);
         }
-        self.routes.iter().map(|r| &r.policy).find(|p| p.route_name() == name)
+        self.routes
+            .iter()
+            .map(|r| &r.policy)
+            .find(|p| p.route_name() == name)
     }
 }
 
@@ -486,9 +511,14 @@ pub const DEFAULT_ROUTE_NAME: &str = "default";
 impl FileConfig {
     /// Reads and parses a config file (without checking values).
     pub fn read(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.to_owned(), source })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// This file with command-line and environment values laid over it.
@@ -511,12 +541,16 @@ impl FileConfig {
     /// Checks every value and builds the typed configuration.
     pub fn validate(&self) -> Result<Settings, ConfigError> {
         let listen = addr("listen", self.listen.as_deref().unwrap_or(DEFAULT_LISTEN))?;
-        let admin_listen =
-            addr("admin_listen", self.admin_listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN))?;
+        let admin_listen = addr(
+            "admin_listen",
+            self.admin_listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN),
+        )?;
         if listen == admin_listen && listen.port() != 0 {
             return Err(ConfigError::invalid(
                 "admin_listen",
-                format!("{admin_listen} is also the proxy's listen address; give them different ports"),
+                format!(
+                    "{admin_listen} is also the proxy's listen address; give them different ports"
+                ),
             ));
         }
         let upstream = match &self.upstream {
@@ -530,7 +564,8 @@ impl FileConfig {
         };
         let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
             .map_err(|m| ConfigError::invalid("store", m))?;
-        let store_timeout = positive_duration("store_timeout", &self.store_timeout, DEFAULT_STORE_TIMEOUT)?;
+        let store_timeout =
+            positive_duration("store_timeout", &self.store_timeout, DEFAULT_STORE_TIMEOUT)?;
         let on_store_error = match self.on_store_error.as_deref() {
             None | Some("reject") => StoreErrorPolicy::Reject,
             Some("pass") => StoreErrorPolicy::Pass,
@@ -541,8 +576,11 @@ impl FileConfig {
                 ));
             }
         };
-        let upstream_timeout =
-            positive_duration("upstream_timeout", &self.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT)?;
+        let upstream_timeout = positive_duration(
+            "upstream_timeout",
+            &self.upstream_timeout,
+            DEFAULT_UPSTREAM_TIMEOUT,
+        )?;
         let upstream_connect_timeout = positive_duration(
             "upstream_connect_timeout",
             &self.upstream_connect_timeout,
@@ -557,8 +595,16 @@ impl FileConfig {
                 ),
             ));
         }
-        let shutdown_grace = duration("shutdown_grace", &self.shutdown_grace, DEFAULT_SHUTDOWN_GRACE)?;
-        let ttl = self.ttl.as_ref().map(|t| parse_positive("ttl", t)).transpose()?;
+        let shutdown_grace = duration(
+            "shutdown_grace",
+            &self.shutdown_grace,
+            DEFAULT_SHUTDOWN_GRACE,
+        )?;
+        let ttl = self
+            .ttl
+            .as_ref()
+            .map(|t| parse_positive("ttl", t))
+            .transpose()?;
         let max_request_bytes = self
             .max_request_bytes
             .as_ref()
@@ -581,7 +627,11 @@ impl FileConfig {
         if let Some(ttl) = ttl {
             default_route = default_route.ttl(ttl);
         }
-        let defaults = RouteDefaults { ttl, max_request_bytes, max_response_bytes };
+        let defaults = RouteDefaults {
+            ttl,
+            max_request_bytes,
+            max_response_bytes,
+        };
         let mut routes = Vec::with_capacity(self.routes.len());
         let mut names = HashSet::from([DEFAULT_ROUTE_NAME.to_owned()]);
         let mut prefixes = HashSet::new();
@@ -601,7 +651,10 @@ impl FileConfig {
             if !prefixes.insert(settings.prefix.clone()) {
                 return Err(ConfigError::invalid(
                     format!("{field}.prefix"),
-                    format!("{:?} is already the prefix of another route", settings.prefix),
+                    format!(
+                        "{:?} is already the prefix of another route",
+                        settings.prefix
+                    ),
                 ));
             }
             routes.push(settings);
@@ -640,9 +693,16 @@ impl FileConfig {
             })?,
             (None, None) => return Ok(None),
         };
-        let field = if self.admin_token.is_some() { "admin_token" } else { "admin_token_env" };
+        let field = if self.admin_token.is_some() {
+            "admin_token"
+        } else {
+            "admin_token_env"
+        };
         if token.len() < 16 {
-            return Err(ConfigError::invalid(field, "the admin token must be at least 16 characters"));
+            return Err(ConfigError::invalid(
+                field,
+                "the admin token must be at least 16 characters",
+            ));
         }
         if !token.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::invalid(
@@ -665,7 +725,10 @@ impl LimitsFile {
         }
         let max_headers = self.max_headers.unwrap_or(DEFAULT_MAX_HEADERS);
         if max_headers == 0 {
-            return Err(ConfigError::invalid("limits.max_headers", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "limits.max_headers",
+                "must be at least 1",
+            ));
         }
         let max_header_bytes = self
             .max_header_bytes
@@ -686,7 +749,11 @@ impl LimitsFile {
                 &self.header_read_timeout,
                 DEFAULT_HEADER_READ_TIMEOUT,
             )?,
-            idle_timeout: positive_duration("limits.idle_timeout", &self.idle_timeout, DEFAULT_IDLE_TIMEOUT)?,
+            idle_timeout: positive_duration(
+                "limits.idle_timeout",
+                &self.idle_timeout,
+                DEFAULT_IDLE_TIMEOUT,
+            )?,
             max_headers,
             max_header_bytes,
         })
@@ -700,15 +767,27 @@ struct RouteDefaults {
 }
 
 impl RouteFile {
-    fn validate(&self, field: &str, defaults: &RouteDefaults) -> Result<RouteSettings, ConfigError> {
+    fn validate(
+        &self,
+        field: &str,
+        defaults: &RouteDefaults,
+    ) -> Result<RouteSettings, ConfigError> {
         let f = |name: &str| format!("{field}.{name}");
         let prefix = self.prefix.clone().ok_or_else(|| {
-            ConfigError::invalid(f("prefix"), "required: the path prefix the route covers, e.g. \"/payments\"")
+            ConfigError::invalid(
+                f("prefix"),
+                "required: the path prefix the route covers, e.g. \"/payments\"",
+            )
         })?;
-        if !prefix.starts_with('/') || prefix.contains(['?', '#']) || prefix.contains(char::is_whitespace) {
+        if !prefix.starts_with('/')
+            || prefix.contains(['?', '#'])
+            || prefix.contains(char::is_whitespace)
+        {
             return Err(ConfigError::invalid(
                 f("prefix"),
-                format!("{prefix:?} is not a path prefix; expected one starting with \"/\", e.g. \"/payments\""),
+                format!(
+                    "{prefix:?} is not a path prefix; expected one starting with \"/\", e.g. \"/payments\""
+                ),
             ));
         }
         let name = self.name.clone().unwrap_or_else(|| prefix.clone());
@@ -719,7 +798,9 @@ impl RouteFile {
             ));
         }
         let preset = match &self.preset {
-            Some(p) => p.parse::<Preset>().map_err(|m| ConfigError::invalid(f("preset"), m))?,
+            Some(p) => p
+                .parse::<Preset>()
+                .map_err(|m| ConfigError::invalid(f("preset"), m))?,
             None => Preset::Api,
         };
         let mut policy = RoutePolicy::preset(preset)
@@ -736,12 +817,16 @@ impl RouteFile {
                     "set either key_header or key_json_pointer, not both",
                 ));
             }
-            (Some(h), None) => policy = policy.key(KeySource::Header(header_name(&f("key_header"), h)?)),
+            (Some(h), None) => {
+                policy = policy.key(KeySource::Header(header_name(&f("key_header"), h)?))
+            }
             (None, Some(p)) => {
                 if !(p.starts_with('/') && p.len() > 1) {
                     return Err(ConfigError::invalid(
                         f("key_json_pointer"),
-                        format!("{p:?} is not a JSON pointer to a field; expected e.g. \"/id\" or \"/data/object/id\""),
+                        format!(
+                            "{p:?} is not a JSON pointer to a field; expected e.g. \"/id\" or \"/data/object/id\""
+                        ),
                     ));
                 }
                 policy = policy.key(KeySource::JsonPointer(p.clone()));
@@ -793,7 +878,9 @@ impl RouteFile {
                 policy = policy.concurrent(Concurrent::Reject);
             }
             Some("wait") => {
-                policy = policy.concurrent(Concurrent::Wait(wait_timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT)));
+                policy = policy.concurrent(Concurrent::Wait(
+                    wait_timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT),
+                ));
             }
             Some(other) => {
                 return Err(ConfigError::invalid(
@@ -809,8 +896,10 @@ impl RouteFile {
             policy = policy.fingerprint_headers(header_list(&f("fingerprint_headers"), headers)?);
         }
         if let Some(statuses) = &self.store_statuses {
-            policy = policy
-                .store_statuses(StatusSet::parse(statuses).map_err(|m| ConfigError::invalid(f("store_statuses"), m))?);
+            policy = policy.store_statuses(
+                StatusSet::parse(statuses)
+                    .map_err(|m| ConfigError::invalid(f("store_statuses"), m))?,
+            );
         }
         if let Some(outcome) = &self.unknown_outcome {
             policy = policy.unknown_outcome(match outcome.as_str() {
@@ -831,7 +920,9 @@ impl RouteFile {
                 .ok_or_else(|| {
                     ConfigError::invalid(
                         f("mismatch_status"),
-                        format!("{code} is not a client-error status; expected 400–499, e.g. 422 or 409"),
+                        format!(
+                            "{code} is not a client-error status; expected 400–499, e.g. 422 or 409"
+                        ),
                     )
                 })?;
             policy = policy.mismatch_status(status);
@@ -841,7 +932,10 @@ impl RouteFile {
             None => DEFAULT_LEASE,
         };
         if lease < Duration::from_millis(300) {
-            return Err(ConfigError::invalid(f("lease"), "must be at least 300ms (it is renewed at a third of it)"));
+            return Err(ConfigError::invalid(
+                f("lease"),
+                "must be at least 300ms (it is renewed at a third of it)",
+            ));
         }
         policy = policy.lease(lease);
         if let Some(b) = &self.max_request_bytes {
@@ -874,19 +968,32 @@ fn parse_positive(field: &str, s: &str) -> Result<Duration, ConfigError> {
     Ok(d)
 }
 
-fn positive_duration(field: &str, value: &Option<String>, default: Duration) -> Result<Duration, ConfigError> {
-    value.as_ref().map_or(Ok(default), |s| parse_positive(field, s))
-}
-
-fn duration(field: &str, value: &Option<String>, default: Duration) -> Result<Duration, ConfigError> {
+fn positive_duration(
+    field: &str,
+    value: &Option<String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
     value
         .as_ref()
-        .map_or(Ok(default), |s| parse_duration(s).map_err(|m| ConfigError::invalid(field, m)))
+        .map_or(Ok(default), |s| parse_positive(field, s))
+}
+
+fn duration(
+    field: &str,
+    value: &Option<String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    value.as_ref().map_or(Ok(default), |s| {
+        parse_duration(s).map_err(|m| ConfigError::invalid(field, m))
+    })
 }
 
 fn header_name(field: &str, s: &str) -> Result<HeaderName, ConfigError> {
     HeaderName::from_bytes(s.trim().as_bytes()).map_err(|_| {
-        ConfigError::invalid(field, format!("{s:?} is not a header name; expected e.g. \"Idempotency-Key\""))
+        ConfigError::invalid(
+            field,
+            format!("{s:?} is not a header name; expected e.g. \"Idempotency-Key\""),
+        )
     })
 }
 
@@ -912,7 +1019,10 @@ mod tests {
     fn field_of(text: &str) -> String {
         match parse(text) {
             Ok(_) => panic!("config should have been refused:\n{text}"),
-            Err(e) => e.field().map(str::to_owned).unwrap_or_else(|| e.to_string()),
+            Err(e) => e
+                .field()
+                .map(str::to_owned)
+                .unwrap_or_else(|| e.to_string()),
         }
     }
 
@@ -924,7 +1034,16 @@ mod tests {
         assert_eq!(parse_duration("72h"), Ok(Duration::from_secs(3 * 86_400)));
         assert_eq!(parse_duration("3d"), Ok(Duration::from_secs(3 * 86_400)));
         assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
-        for bad in ["", "30", "s", "30x", "-1s", "1.5s", "99999999999999999999d", "30 s"] {
+        for bad in [
+            "",
+            "30",
+            "s",
+            "30x",
+            "-1s",
+            "1.5s",
+            "99999999999999999999d",
+            "30 s",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
         }
     }
@@ -944,7 +1063,10 @@ mod tests {
         let u = Upstream::parse("http://127.0.0.1:3000/api/").unwrap();
         assert_eq!(u.base_path, "/api");
         assert_eq!(u.authority.as_str(), "127.0.0.1:3000");
-        assert_eq!(Upstream::parse("http://localhost:3000").unwrap().base_path, "");
+        assert_eq!(
+            Upstream::parse("http://localhost:3000").unwrap().base_path,
+            ""
+        );
         let err = Upstream::parse("https://example.test").unwrap_err();
         assert!(err.contains("https"), "{err}");
         assert!(Upstream::parse("ftp://x").is_err());
@@ -955,7 +1077,10 @@ mod tests {
     #[test]
     fn store_specs() {
         assert_eq!(StoreSpec::parse("memory"), Ok(StoreSpec::Memory));
-        assert_eq!(StoreSpec::parse("redb:/data/x.redb"), Ok(StoreSpec::Redb("/data/x.redb".into())));
+        assert_eq!(
+            StoreSpec::parse("redb:/data/x.redb"),
+            Ok(StoreSpec::Redb("/data/x.redb".into()))
+        );
         assert_eq!(
             StoreSpec::parse("redis://127.0.0.1:6379/2"),
             Ok(StoreSpec::Redis("redis://127.0.0.1:6379/2".into()))
@@ -984,8 +1109,10 @@ mod tests {
 
     #[test]
     fn overrides_win_over_the_file() {
-        let file: FileConfig =
-            toml::from_str("upstream = \"http://127.0.0.1:1\"\nlisten = \"127.0.0.1:1000\"\nttl = \"1h\"").unwrap();
+        let file: FileConfig = toml::from_str(
+            "upstream = \"http://127.0.0.1:1\"\nlisten = \"127.0.0.1:1000\"\nttl = \"1h\"",
+        )
+        .unwrap();
         let o = Overrides {
             listen: Some("127.0.0.1:2000".into()),
             ttl: Some("2h".into()),
@@ -1026,9 +1153,16 @@ mod tests {
         .unwrap();
         let gh = &s.routes[0].policy;
         assert_eq!(gh.route_name(), "github");
-        assert_eq!(gh.key, KeySource::Header(HeaderName::from_static("x-github-delivery")));
+        assert_eq!(
+            gh.key,
+            KeySource::Header(HeaderName::from_static("x-github-delivery"))
+        );
         assert!(gh.scope_headers.is_empty());
-        assert_eq!(gh.ttl, Duration::from_secs(12 * 3600), "top-level ttl applies when the route has none");
+        assert_eq!(
+            gh.ttl,
+            Duration::from_secs(12 * 3600),
+            "top-level ttl applies when the route has none"
+        );
         assert_eq!(gh.unknown_outcome, UnknownOutcome::Retry);
         let pay = &s.routes[1].policy;
         assert_eq!(pay.route_name(), "/payments");
@@ -1052,63 +1186,126 @@ mod tests {
         assert_eq!(field_of("upstream = \"https://x\""), "upstream");
         assert_eq!(field_of(&format!("{up}listen = \"localhost\"")), "listen");
         assert_eq!(field_of(&format!("{up}store = \"sqlite:x\"")), "store");
-        assert_eq!(field_of(&format!("{up}store_timeout = \"2 seconds\"")), "store_timeout");
-        assert_eq!(field_of(&format!("{up}store_timeout = \"0s\"")), "store_timeout");
-        assert_eq!(field_of(&format!("{up}on_store_error = \"ignore\"")), "on_store_error");
-        assert_eq!(field_of(&format!("{up}admin_token = \"short\"")), "admin_token");
         assert_eq!(
-            field_of(&format!("{up}upstream_timeout = \"1s\"\nupstream_connect_timeout = \"2s\"")),
+            field_of(&format!("{up}store_timeout = \"2 seconds\"")),
+            "store_timeout"
+        );
+        assert_eq!(
+            field_of(&format!("{up}store_timeout = \"0s\"")),
+            "store_timeout"
+        );
+        assert_eq!(
+            field_of(&format!("{up}on_store_error = \"ignore\"")),
+            "on_store_error"
+        );
+        assert_eq!(
+            field_of(&format!("{up}admin_token = \"short\"")),
+            "admin_token"
+        );
+        assert_eq!(
+            field_of(&format!(
+                "{up}upstream_timeout = \"1s\"\nupstream_connect_timeout = \"2s\""
+            )),
             "upstream_connect_timeout"
         );
-        assert_eq!(field_of(&format!("{up}[limits]\nmax_connections = 0")), "limits.max_connections");
-        assert_eq!(field_of(&format!("{up}[limits]\nmax_header_bytes = 100")), "limits.max_header_bytes");
-        assert_eq!(field_of(&format!("{up}[[routes]]\nname = \"x\"")), "routes[0].prefix");
-        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"payments\"")), "routes[0].prefix");
-        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"fast\"")), "routes[0].preset");
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"bad header\"")),
+            field_of(&format!("{up}[limits]\nmax_connections = 0")),
+            "limits.max_connections"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[limits]\nmax_header_bytes = 100")),
+            "limits.max_header_bytes"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nname = \"x\"")),
+            "routes[0].prefix"
+        );
+        assert_eq!(
+            field_of(&format!("{up}[[routes]]\nprefix = \"payments\"")),
+            "routes[0].prefix"
+        );
+        assert_eq!(
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\npreset = \"fast\""
+            )),
+            "routes[0].preset"
+        );
+        assert_eq!(
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"bad header\""
+            )),
             "routes[0].key_header"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"a\"\nkey_json_pointer = \"/id\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nkey_header = \"a\"\nkey_json_pointer = \"/id\""
+            )),
             "routes[0].key_json_pointer"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nkey_json_pointer = \"id\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nkey_json_pointer = \"id\""
+            )),
             "routes[0].key_json_pointer"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nmethods = [\"POST\", \"GE T\"]")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nmethods = [\"POST\", \"GE T\"]"
+            )),
             "routes[0].methods[1]"
         );
-        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nttl = \"forever\"")), "routes[0].ttl");
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nconcurrent = \"queue\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nttl = \"forever\""
+            )),
+            "routes[0].ttl"
+        );
+        assert_eq!(
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nconcurrent = \"queue\""
+            )),
             "routes[0].concurrent"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nwait_timeout = \"1s\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nwait_timeout = \"1s\""
+            )),
             "routes[0].wait_timeout"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nstore_statuses = [\"2xx\", \"6xx\"]")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nstore_statuses = [\"2xx\", \"6xx\"]"
+            )),
             "routes[0].store_statuses"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nunknown_outcome = \"maybe\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nunknown_outcome = \"maybe\""
+            )),
             "routes[0].unknown_outcome"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nmismatch_status = 200")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nmismatch_status = 200"
+            )),
             "routes[0].mismatch_status"
         );
-        assert_eq!(field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nlease = \"10ms\"")), "routes[0].lease");
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\n[[routes]]\nprefix = \"/b\"\nname = \"/a\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nlease = \"10ms\""
+            )),
+            "routes[0].lease"
+        );
+        assert_eq!(
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\n[[routes]]\nprefix = \"/b\"\nname = \"/a\""
+            )),
             "routes[1].name"
         );
         assert_eq!(
-            field_of(&format!("{up}[[routes]]\nprefix = \"/a\"\nname = \"x\"\n[[routes]]\nprefix = \"/a\"\nname = \"y\"")),
+            field_of(&format!(
+                "{up}[[routes]]\nprefix = \"/a\"\nname = \"x\"\n[[routes]]\nprefix = \"/a\"\nname = \"y\""
+            )),
             "routes[1].prefix"
         );
     }
@@ -1120,7 +1317,10 @@ mod tests {
         let pay = s.route_by_name("payments").unwrap();
         assert!(pay.require_key);
         assert_eq!(pay.concurrent, Concurrent::Wait(Duration::from_secs(10)));
-        assert_eq!(s.route_by_name("orders").unwrap().mismatch_status, StatusCode::CONFLICT);
+        assert_eq!(
+            s.route_by_name("orders").unwrap().mismatch_status,
+            StatusCode::CONFLICT
+        );
 
         let s = parse(include_str!("../../config/webhooks.toml")).unwrap();
         let by_name = |n: &str| s.route_by_name(n).unwrap_or_else(|| panic!("route {n}"));
@@ -1131,7 +1331,12 @@ mod tests {
         assert_eq!(by_name("standard-webhooks").key, header("webhook-id"));
         for route in &s.routes {
             let p = &route.policy;
-            assert_eq!(p.unknown_outcome, UnknownOutcome::Retry, "{} is a webhook route", p.route_name());
+            assert_eq!(
+                p.unknown_outcome,
+                UnknownOutcome::Retry,
+                "{} is a webhook route",
+                p.route_name()
+            );
             assert_eq!(p.store_statuses, Preset::Webhook.store_statuses());
             assert_eq!(p.ttl, Duration::from_secs(72 * 3600));
             assert!(p.require_key && p.scope_headers.is_empty());
@@ -1140,9 +1345,12 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_refused_by_name() {
-        let err = parse("upstream = \"http://127.0.0.1:3000\"\nlisen = \"127.0.0.1:1\"").unwrap_err();
+        let err =
+            parse("upstream = \"http://127.0.0.1:3000\"\nlisen = \"127.0.0.1:1\"").unwrap_err();
         assert!(err.to_string().contains("lisen"), "{err}");
-        let err = parse("upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/a\"\nkey = \"x\"").unwrap_err();
+        let err =
+            parse("upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/a\"\nkey = \"x\"")
+                .unwrap_err();
         assert!(err.to_string().contains("key"), "{err}");
     }
 }

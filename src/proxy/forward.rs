@@ -61,7 +61,10 @@ struct ForwarderShared {
 
 impl<B> Clone for Forwarder<B> {
     fn clone(&self) -> Self {
-        Self { client: self.client.clone(), shared: Arc::clone(&self.shared) }
+        Self {
+            client: self.client.clone(),
+            shared: Arc::clone(&self.shared),
+        }
     }
 }
 
@@ -72,7 +75,12 @@ where
 {
     /// A forwarder to `upstream` that waits at most `timeout` for a response head and at most
     /// `connect_timeout` for a new connection.
-    pub fn new(upstream: Upstream, timeout: Duration, connect_timeout: Duration, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        upstream: Upstream,
+        timeout: Duration,
+        connect_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
@@ -81,7 +89,14 @@ where
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .build(connector);
-        Self { client, shared: Arc::new(ForwarderShared { upstream, timeout, metrics }) }
+        Self {
+            client,
+            shared: Arc::new(ForwarderShared {
+                upstream,
+                timeout,
+                metrics,
+            }),
+        }
     }
 }
 
@@ -105,7 +120,11 @@ where
     }
 }
 
-async fn forward<B>(client: Client<HttpConnector, B>, shared: &ForwarderShared, req: Request<B>) -> Response<ProxyBody>
+async fn forward<B>(
+    client: Client<HttpConnector, B>,
+    shared: &ForwarderShared,
+    req: Request<B>,
+) -> Response<ProxyBody>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -133,12 +152,19 @@ where
             Response::from_parts(parts, ProxyBody::upstream(body))
         }
         Ok(Err(error)) => {
-            let kind = if error.is_connect() { UpstreamErrorKind::Unreachable } else { UpstreamErrorKind::Reset };
+            let kind = if error.is_connect() {
+                UpstreamErrorKind::Unreachable
+            } else {
+                UpstreamErrorKind::Reset
+            };
             tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
             upstream_failure(kind, shared)
         }
         Err(_) => {
-            tracing::warn!(after_ms = shared.timeout.as_millis() as u64, "upstream timed out");
+            tracing::warn!(
+                after_ms = shared.timeout.as_millis() as u64,
+                "upstream timed out"
+            );
             upstream_failure(UpstreamErrorKind::Timeout, shared)
         }
     }
@@ -149,8 +175,13 @@ where
 fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Response<ProxyBody> {
     shared.metrics.count_upstream_error(kind);
     let (problem, failure) = match kind {
-        UpstreamErrorKind::Unreachable => (Problem::upstream_unreachable(), UpstreamFailure::NotSent),
-        UpstreamErrorKind::Timeout => (Problem::upstream_timeout(shared.timeout), UpstreamFailure::Unknown),
+        UpstreamErrorKind::Unreachable => {
+            (Problem::upstream_unreachable(), UpstreamFailure::NotSent)
+        }
+        UpstreamErrorKind::Timeout => (
+            Problem::upstream_timeout(shared.timeout),
+            UpstreamFailure::Unknown,
+        ),
         UpstreamErrorKind::Reset => (Problem::response_interrupted(), UpstreamFailure::Unknown),
     };
     let mut response = problem.into_response().map(ProxyBody::full);
@@ -160,17 +191,21 @@ fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Respon
 
 /// The client's `Host` (or, over HTTP/2, the `:authority`), as sent.
 fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
-    headers
-        .get(HOST)
-        .cloned()
-        .or_else(|| uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()))
+    headers.get(HOST).cloned().or_else(|| {
+        uri.authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    })
 }
 
 /// The upstream target: the configured base URL followed by the request's path and query.
 /// Nothing of the client's target but its path and query is used.
 pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
     let pq = target.path_and_query().map_or("/", PathAndQuery::as_str);
-    let pq = if pq.starts_with('/') { pq.to_owned() } else { format!("/{pq}") };
+    let pq = if pq.starts_with('/') {
+        pq.to_owned()
+    } else {
+        format!("/{pq}")
+    };
     let path_and_query: PathAndQuery = format!("{}{pq}", upstream.base_path).parse().ok()?;
     Uri::builder()
         .scheme(Scheme::HTTP)
@@ -183,7 +218,11 @@ pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
 /// Makes a client's headers fit to send upstream: hop-by-hop fields and headers only
 /// idemgate sets are removed, `Host` is left for the client to set from the upstream URL,
 /// and the `X-Forwarded-*` fields are added.
-pub fn prepare_request_headers(headers: &mut http::HeaderMap, client_ip: Option<IpAddr>, original_host: Option<HeaderValue>) {
+pub fn prepare_request_headers(
+    headers: &mut http::HeaderMap,
+    client_ip: Option<IpAddr>,
+    original_host: Option<HeaderValue>,
+) {
     strip_hop_by_hop(headers);
     headers.remove(IDEMPOTENT_REPLAYED);
     headers.remove(HOST);
@@ -256,12 +295,16 @@ enum ProxyBodyInner {
 
 impl ProxyBody {
     fn upstream(body: Incoming) -> Self {
-        Self { inner: ProxyBodyInner::Upstream(body) }
+        Self {
+            inner: ProxyBodyInner::Upstream(body),
+        }
     }
 
     /// A body of `bytes`, sent whole.
     pub fn full(bytes: Bytes) -> Self {
-        Self { inner: ProxyBodyInner::Full(Some(bytes).filter(|b| !b.is_empty())) }
+        Self {
+            inner: ProxyBodyInner::Full(Some(bytes).filter(|b| !b.is_empty())),
+        }
     }
 }
 
@@ -269,7 +312,10 @@ impl Body for ProxyBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut self.get_mut().inner {
             ProxyBodyInner::Upstream(body) => Pin::new(body).poll_frame(cx),
             ProxyBodyInner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
@@ -286,7 +332,9 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
             ProxyBodyInner::Upstream(body) => body.size_hint(),
-            ProxyBodyInner::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+            ProxyBodyInner::Full(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
         }
     }
 }
@@ -304,7 +352,10 @@ mod tests {
         let up = upstream("http://127.0.0.1:3000");
         let cases = [
             ("/pay?x=1", "http://127.0.0.1:3000/pay?x=1"),
-            ("http://evil.test:666/pay?x=1", "http://127.0.0.1:3000/pay?x=1"),
+            (
+                "http://evil.test:666/pay?x=1",
+                "http://127.0.0.1:3000/pay?x=1",
+            ),
             ("*", "http://127.0.0.1:3000/*"),
             ("/", "http://127.0.0.1:3000/"),
         ];
@@ -325,22 +376,40 @@ mod tests {
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert("te", HeaderValue::from_static("trailers"));
         h.insert("upgrade", HeaderValue::from_static("websocket"));
-        h.insert("proxy-authorization", HeaderValue::from_static("Basic eA=="));
+        h.insert(
+            "proxy-authorization",
+            HeaderValue::from_static("Basic eA=="),
+        );
         h.insert("idempotent-replayed", HeaderValue::from_static("true"));
         h.insert("host", HeaderValue::from_static("public.example"));
-        h.insert("x-forwarded-host", HeaderValue::from_static("spoofed.example"));
+        h.insert(
+            "x-forwarded-host",
+            HeaderValue::from_static("spoofed.example"),
+        );
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
         let host = h.get(HOST).cloned();
         prepare_request_headers(&mut h, Some("192.0.2.7".parse().unwrap()), host);
-        for gone in ["connection", "x-hop", "keep-alive", "te", "upgrade", "proxy-authorization", "idempotent-replayed", "host"] {
+        for gone in [
+            "connection",
+            "x-hop",
+            "keep-alive",
+            "te",
+            "upgrade",
+            "proxy-authorization",
+            "idempotent-replayed",
+            "host",
+        ] {
             assert!(!h.contains_key(gone), "{gone} should be stripped");
         }
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 192.0.2.7");
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["x-forwarded-host"], "public.example");
-        assert_eq!(h["idempotency-key"], "k1", "the key is forwarded so the upstream can deduplicate too");
+        assert_eq!(
+            h["idempotency-key"], "k1",
+            "the key is forwarded so the upstream can deduplicate too"
+        );
     }
 
     #[test]

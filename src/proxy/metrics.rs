@@ -48,7 +48,10 @@ impl Histogram {
         let mut cumulative = 0;
         for (i, bound) in BUCKETS.iter().enumerate() {
             cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}");
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
+            );
         }
         let count = self.count();
         let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
@@ -56,7 +59,10 @@ impl Histogram {
         if labels.is_empty() {
             let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
         } else {
-            let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}");
+            let _ = writeln!(
+                out,
+                "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}"
+            );
         }
     }
 }
@@ -163,13 +169,19 @@ impl Metrics {
 
     /// Counts one handled request.
     pub fn count_request(&self, route: &Arc<str>, outcome: &'static str) {
-        let mut requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut requests = self
+            .requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         *requests.entry((Arc::clone(route), outcome)).or_insert(0) += 1;
     }
 
     /// How many requests were counted for `route` and `outcome`.
     pub fn requests(&self, route: &str, outcome: &str) -> u64 {
-        let requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let requests = self
+            .requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         requests
             .iter()
             .filter(|((r, o), _)| &**r == route && *o == outcome)
@@ -205,7 +217,10 @@ impl Metrics {
              # TYPE idemgate_requests_total counter\n",
         );
         {
-            let requests = self.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let requests = self
+                .requests
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             for ((route, outcome), n) in requests.iter() {
                 let _ = writeln!(
                     out,
@@ -218,23 +233,35 @@ impl Metrics {
             "# HELP idemgate_upstream_duration_seconds Time from sending a request upstream to its response head.\n\
              # TYPE idemgate_upstream_duration_seconds histogram\n",
         );
-        self.upstream.write(&mut out, "idemgate_upstream_duration_seconds", "");
+        self.upstream
+            .write(&mut out, "idemgate_upstream_duration_seconds", "");
         out.push_str(
             "# HELP idemgate_upstream_errors_total Upstream calls that produced no response, by kind.\n\
              # TYPE idemgate_upstream_errors_total counter\n",
         );
         for kind in UpstreamErrorKind::ALL {
             let n = self.upstream_errors[kind as usize].load(Ordering::Relaxed);
-            let _ = writeln!(out, "idemgate_upstream_errors_total{{kind=\"{}\"}} {n}", kind.as_str());
+            let _ = writeln!(
+                out,
+                "idemgate_upstream_errors_total{{kind=\"{}\"}} {n}",
+                kind.as_str()
+            );
         }
-        let backend = *self.store_backend.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let backend = *self
+            .store_backend
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         out.push_str(
             "# HELP idemgate_store_duration_seconds Time one store call took, by operation.\n\
              # TYPE idemgate_store_duration_seconds histogram\n",
         );
         for op in StoreOp::ALL {
             let labels = format!("backend=\"{backend}\",op=\"{}\"", op.as_str());
-            self.store_ops[op as usize].duration.write(&mut out, "idemgate_store_duration_seconds", &labels);
+            self.store_ops[op as usize].duration.write(
+                &mut out,
+                "idemgate_store_duration_seconds",
+                &labels,
+            );
         }
         out.push_str(
             "# HELP idemgate_store_call_errors_total Store calls that returned an error, by operation.\n\
@@ -253,7 +280,9 @@ impl Metrics {
              # TYPE idemgate_store_calls_abandoned_total counter\n",
         );
         for op in StoreOp::ALL {
-            let n = self.store_ops[op as usize].cancelled.load(Ordering::Relaxed);
+            let n = self.store_ops[op as usize]
+                .cancelled
+                .load(Ordering::Relaxed);
             let _ = writeln!(
                 out,
                 "idemgate_store_calls_abandoned_total{{backend=\"{backend}\",op=\"{}\"}} {n}",
@@ -293,7 +322,10 @@ impl Metrics {
             ),
         ];
         for (name, kind, help, value) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
         }
         out
     }
@@ -324,7 +356,10 @@ pub struct InstrumentedStore {
 impl InstrumentedStore {
     /// Wraps `inner`, reporting into `metrics`.
     pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
-        *metrics.store_backend.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = inner.backend();
+        *metrics
+            .store_backend
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = inner.backend();
         Self { inner, metrics }
     }
 
@@ -333,7 +368,11 @@ impl InstrumentedStore {
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let mut guard = CallGuard { op: &self.metrics.store_ops[op as usize], start: Instant::now(), done: false };
+        let mut guard = CallGuard {
+            op: &self.metrics.store_ops[op as usize],
+            start: Instant::now(),
+            done: false,
+        };
         let result = call.await;
         guard.done = true;
         guard.op.duration.observe(guard.start.elapsed());
@@ -367,7 +406,8 @@ impl Store for InstrumentedStore {
         fingerprint: &FingerprintHash,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        self.timed(StoreOp::Claim, self.inner.claim(key, fingerprint, options)).await
+        self.timed(StoreOp::Claim, self.inner.claim(key, fingerprint, options))
+            .await
     }
 
     async fn complete(
@@ -377,15 +417,26 @@ impl Store for InstrumentedStore {
         completion: Completion,
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        self.timed(StoreOp::Complete, self.inner.complete(key, token, completion, ttl)).await
+        self.timed(
+            StoreOp::Complete,
+            self.inner.complete(key, token, completion, ttl),
+        )
+        .await
     }
 
     async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
-        self.timed(StoreOp::Release, self.inner.release(key, token)).await
+        self.timed(StoreOp::Release, self.inner.release(key, token))
+            .await
     }
 
-    async fn renew(&self, key: &RecordKey, token: OwnerToken, lease: Duration) -> Result<Transition, StoreError> {
-        self.timed(StoreOp::Renew, self.inner.renew(key, token, lease)).await
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.timed(StoreOp::Renew, self.inner.renew(key, token, lease))
+            .await
     }
 
     async fn mark_ambiguous(
@@ -394,7 +445,11 @@ impl Store for InstrumentedStore {
         token: OwnerToken,
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        self.timed(StoreOp::MarkAmbiguous, self.inner.mark_ambiguous(key, token, ttl)).await
+        self.timed(
+            StoreOp::MarkAmbiguous,
+            self.inner.mark_ambiguous(key, token, ttl),
+        )
+        .await
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -440,9 +495,22 @@ mod tests {
         m.count_request(&route, "executed");
         m.count_request(&route, "executed");
         m.count_request(&route, "replayed");
-        let text = m.render(LayerCounters { in_flight: 4, ..LayerCounters::default() });
-        assert!(text.contains("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n"), "{text}");
-        assert!(text.contains("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n"), "{text}");
+        let text = m.render(LayerCounters {
+            in_flight: 4,
+            ..LayerCounters::default()
+        });
+        assert!(
+            text.contains(
+                "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n"
+            ),
+            "{text}"
+        );
         assert!(text.contains("idemgate_records_in_flight 4\n"), "{text}");
         assert_eq!(m.requests("pay\"ments", "executed"), 2);
         for line in text.lines().filter(|l| !l.starts_with('#')) {

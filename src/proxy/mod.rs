@@ -29,7 +29,11 @@ use self::config::{Overrides, Settings};
 /// The command line. Every option can also come from an `IDEMGATE_*` environment variable;
 /// a flag wins over the variable, and both win over the config file.
 #[derive(Debug, Parser)]
-#[command(name = "idemgate", version, about = "HTTP idempotency-key gateway: runs each keyed request once and replays its response to retries")]
+#[command(
+    name = "idemgate",
+    version,
+    about = "HTTP idempotency-key gateway: runs each keyed request once and replays its response to retries"
+)]
 pub struct Cli {
     /// TOML config file (see config/idemgate.toml).
     #[arg(long, env = "IDEMGATE_CONFIG", value_name = "FILE")]
@@ -50,7 +54,12 @@ pub struct Cli {
     #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<String>,
     /// Bearer token for the admin record endpoints (prefer the environment variable).
-    #[arg(long, env = "IDEMGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "IDEMGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
     pub admin_token: Option<String>,
     /// Log line format.
     #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -104,7 +113,10 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("idemgate: cannot start the async runtime: {error}");
@@ -126,7 +138,10 @@ pub async fn shutdown_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
             (Ok(mut term), Ok(mut int)) => {
                 tokio::select! {
                     _ = term.recv() => tracing::info!("SIGTERM received"),

@@ -25,11 +25,11 @@ use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::{ClientAddr, Forwarder};
 use super::metrics::{InstrumentedStore, Metrics};
+use crate::IdempotencyLayer;
 use crate::body::RequestBody;
 use crate::policy::OnStoreError;
 use crate::response::Outcome;
 use crate::store::{Store, StoreError};
-use crate::IdempotencyLayer;
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -74,31 +74,73 @@ pub enum RunError {
     },
 }
 
-/// Opens the configured store.
-pub async fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, RunError> {
+/// Opens the configured store. A Redis store that does not answer yet is logged and used
+/// anyway; `store_timeout` bounds that first ping.
+pub async fn open_store(
+    spec: &StoreSpec,
+    // Only the Redis store is pinged at start.
+    #[cfg_attr(not(feature = "redis"), expect(unused_variables))] store_timeout: Duration,
+) -> Result<Arc<dyn Store>, RunError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(crate::store::MemoryStore::default())),
         #[cfg(feature = "redb")]
         StoreSpec::Redb(path) => {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir)
-                    .map_err(|source| RunError::StoreDir { spec: spec.to_string(), source })?;
+            let path = path.clone();
+            let spec_text = spec.to_string();
+            // Creating the directory and opening the file are blocking file-system work.
+            let opened = tokio::task::spawn_blocking(move || {
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(|source| RunError::StoreDir {
+                        spec: spec_text.clone(),
+                        source,
+                    })?;
+                }
+                crate::store::RedbStore::open(&path).map_err(|source| RunError::Store {
+                    spec: spec_text,
+                    source,
+                })
+            })
+            .await;
+            match opened {
+                Ok(store) => Ok(Arc::new(store?)),
+                Err(join) => Err(RunError::StoreDir {
+                    spec: spec.to_string(),
+                    source: io::Error::other(join),
+                }),
             }
-            let store = crate::store::RedbStore::open(path)
-                .map_err(|source| RunError::Store { spec: spec.to_string(), source })?;
-            Ok(Arc::new(store))
         }
         #[cfg(feature = "redis")]
         StoreSpec::Redis(url) => {
-            let store = crate::store::RedisStore::connect(crate::store::RedisStoreConfig::new(url.clone()))
-                .await
-                .map_err(|source| RunError::Store { spec: spec.to_string(), source })?;
+            // Start even while Redis is down: requests get 503 (or pass, as configured) and
+            // /readyz fails until it answers; it coming back needs no restart.
+            let store = crate::store::RedisStore::connect_lazy(
+                crate::store::RedisStoreConfig::new(url.clone()),
+            )
+            .map_err(|source| RunError::Store {
+                spec: spec.to_string(),
+                source,
+            })?;
+            match tokio::time::timeout(store_timeout, store.ping()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(store = %spec, error = %error, "store not reachable yet; starting anyway")
+                }
+                Err(_) => {
+                    tracing::warn!(store = %spec, "store did not answer yet; starting anyway")
+                }
+            }
             Ok(Arc::new(store))
         }
         #[cfg(not(feature = "redb"))]
-        StoreSpec::Redb(_) => Err(RunError::StoreFeature { spec: spec.to_string(), feature: "redb" }),
+        StoreSpec::Redb(_) => Err(RunError::StoreFeature {
+            spec: spec.to_string(),
+            feature: "redb",
+        }),
         #[cfg(not(feature = "redis"))]
-        StoreSpec::Redis(_) => Err(RunError::StoreFeature { spec: spec.to_string(), feature: "redis" }),
+        StoreSpec::Redis(_) => Err(RunError::StoreFeature {
+            spec: spec.to_string(),
+            feature: "redis",
+        }),
     }
 }
 
@@ -110,7 +152,7 @@ pub async fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, RunError> {
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let metrics = Metrics::new();
-    let raw_store = open_store(&settings.store).await?;
+    let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
     let mut layer = IdempotencyLayer::new(Arc::clone(&store))
@@ -139,11 +181,13 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         addr: settings.listen,
         source,
     })?;
-    let admin_addr = admin_listener.local_addr().map_err(|source| RunError::Bind {
-        what: "admin_listen",
-        addr: settings.admin_listen,
-        source,
-    })?;
+    let admin_addr = admin_listener
+        .local_addr()
+        .map_err(|source| RunError::Bind {
+            what: "admin_listen",
+            addr: settings.admin_listen,
+            source,
+        })?;
     // A fixed, parseable first line for scripts and tests (the log format may be JSON).
     eprintln!("idemgate listening on {proxy_addr} admin {admin_addr}");
     tracing::info!(
@@ -175,7 +219,11 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let builder = proxy_builder(&limits);
     let accept = accept_loop(
         listener,
-        Front { inner: service, peer: proxy_addr, metrics: Arc::clone(&metrics) },
+        Front {
+            inner: service,
+            peer: proxy_addr,
+            metrics: Arc::clone(&metrics),
+        },
         builder,
         Arc::clone(&connections),
         limits,
@@ -187,7 +235,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     }
 
     // The listener is dropped with the accept loop: no new connections from here on.
-    tracing::info!(grace_ms = settings.shutdown_grace.as_millis() as u64, "shutting down: draining open requests");
+    tracing::info!(
+        grace_ms = settings.shutdown_grace.as_millis() as u64,
+        "shutting down: draining open requests"
+    );
     draining.store(true, Ordering::Relaxed);
     let _ = stop_tx.send(true);
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
@@ -213,7 +264,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunError> {
-    TcpListener::bind(addr).await.map_err(|source| RunError::Bind { what, addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Bind { what, addr, source })
 }
 
 fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
@@ -244,7 +297,10 @@ async fn accept_loop<S, B>(
     limits: Limits,
     stop: watch::Receiver<bool>,
 ) where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -285,13 +341,19 @@ async fn serve_connection<S, B>(
     limits: Limits,
     mut stop: watch::Receiver<bool>,
 ) where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(ActivityIo { inner: stream, activity: Arc::clone(&activity) });
+    let io = TokioIo::new(ActivityIo {
+        inner: stream,
+        activity: Arc::clone(&activity),
+    });
     let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);
     let mut closing = false;
@@ -335,7 +397,11 @@ struct Activity {
 
 impl Activity {
     fn new() -> Self {
-        Self { opened: Instant::now(), last_millis: AtomicU64::new(0), any_read: AtomicBool::new(false) }
+        Self {
+            opened: Instant::now(),
+            last_millis: AtomicU64::new(0),
+            any_read: AtomicBool::new(false),
+        }
     }
 
     fn touch(&self, read: bool) {
@@ -366,7 +432,11 @@ struct ActivityIo {
 }
 
 impl AsyncRead for ActivityIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let before = buf.filled().len();
         let result = Pin::new(&mut this.inner).poll_read(cx, buf);
@@ -378,7 +448,11 @@ impl AsyncRead for ActivityIo {
 }
 
 impl AsyncWrite for ActivityIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let result = Pin::new(&mut this.inner).poll_write(cx, buf);
         if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
@@ -424,7 +498,10 @@ pub struct Front<S> {
 
 impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
 where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     B: Send + 'static,
 {
@@ -474,9 +551,16 @@ fn log_request<B>(
     }
 }
 
-async fn admin_loop(listener: TcpListener, state: Arc<AdminState>, mut stop: watch::Receiver<bool>) {
+async fn admin_loop(
+    listener: TcpListener,
+    state: Arc<AdminState>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).max_buf_size(64 * 1024);
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10))
+        .max_buf_size(64 * 1024);
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => match accepted {

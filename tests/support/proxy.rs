@@ -103,10 +103,13 @@ impl TestUpstream {
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
                 let state = Arc::clone(&shared);
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| handle(Arc::clone(&state), req));
+                    let service =
+                        hyper::service::service_fn(move |req| handle(Arc::clone(&state), req));
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
@@ -122,7 +125,13 @@ impl TestUpstream {
 
     /// Requests that reached the handler on `path`.
     pub fn hits(&self, path: &str) -> u64 {
-        self.state.hits.lock().unwrap().get(path).copied().unwrap_or(0)
+        self.state
+            .hits
+            .lock()
+            .unwrap()
+            .get(path)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Requests that reached the handler on any path.
@@ -135,7 +144,12 @@ impl TestUpstream {
     }
 
     pub fn last_headers(&self) -> HeaderMap {
-        self.state.last_headers.lock().unwrap().clone().expect("the upstream saw a request")
+        self.state
+            .last_headers
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("the upstream saw a request")
     }
 
     pub fn stop(self) {
@@ -149,7 +163,10 @@ impl Drop for TestUpstream {
     }
 }
 
-async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, hyper::Error> {
+async fn handle(
+    state: Arc<UpstreamState>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, hyper::Error> {
     let path = req.uri().path().to_owned();
     let n = {
         let mut hits = state.hits.lock().unwrap();
@@ -163,7 +180,11 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Result<Res
         .get("x-delay-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    let req_status = req.headers().get("x-status").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let req_status = req
+        .headers()
+        .get("x-status")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let headers: serde_json::Map<String, serde_json::Value> = req
         .headers()
         .iter()
@@ -179,7 +200,8 @@ async fn handle(state: Arc<UpstreamState>, req: Request<Incoming>) -> Result<Res
         .and_then(|s| s.parse::<u16>().ok())
         .and_then(|s| StatusCode::from_u16(s).ok())
         .unwrap_or(StatusCode::CREATED);
-    let json = serde_json::json!({ "path": path, "n": n, "body_len": body.len(), "headers": headers });
+    let json =
+        serde_json::json!({ "path": path, "n": n, "body_len": body.len(), "headers": headers });
     let mut response = Response::new(Full::new(Bytes::from(json.to_string())));
     *response.status_mut() = status;
     let h = response.headers_mut();
@@ -253,14 +275,28 @@ impl Gateway {
                 let _ = child.kill();
                 let _ = child.wait();
                 std::thread::sleep(Duration::from_millis(100));
-                panic!("idemgate did not start; its output:\n{}", logs.lock().unwrap());
+                panic!(
+                    "idemgate did not start; its output:\n{}",
+                    logs.lock().unwrap()
+                );
             }
         };
         // "ADDR admin ADDR"
         let mut parts = line.split(" admin ");
-        let addr = parts.next().and_then(|a| a.trim().parse().ok()).expect("proxy address");
-        let admin = parts.next().and_then(|a| a.trim().parse().ok()).expect("admin address");
-        Self { child, addr, admin, logs }
+        let addr = parts
+            .next()
+            .and_then(|a| a.trim().parse().ok())
+            .expect("proxy address");
+        let admin = parts
+            .next()
+            .and_then(|a| a.trim().parse().ok())
+            .expect("admin address");
+        Self {
+            child,
+            addr,
+            admin,
+            logs,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -327,8 +363,12 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
     }
 
     pub fn text(&self) -> String {
@@ -336,13 +376,17 @@ impl Resp {
     }
 
     pub fn replayed(&self) -> bool {
-        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
     }
 
     /// The `type` of a problem+json body.
     pub fn problem_type(&self) -> String {
         assert_eq!(
-            self.headers.get("content-type").map(|v| v.to_str().unwrap()),
+            self.headers
+                .get("content-type")
+                .map(|v| v.to_str().unwrap()),
             Some("application/problem+json"),
             "not a problem response: {} {}",
             self.status,
@@ -360,7 +404,9 @@ pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: &str)
 
 /// Sends one request over prior-knowledge HTTP/2 (h2c).
 pub async fn send_h2c(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
-    let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http::<Full<Bytes>>();
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
     send_with(&client, method, url, headers, body).await
 }
 
@@ -371,7 +417,9 @@ async fn send_with(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Resp {
-    let mut req = Request::builder().method(Method::from_bytes(method.as_bytes()).unwrap()).uri(url);
+    let mut req = Request::builder()
+        .method(Method::from_bytes(method.as_bytes()).unwrap())
+        .uri(url);
     for (name, value) in headers {
         req = req.header(*name, *value);
     }
@@ -382,7 +430,11 @@ async fn send_with(
         .expect("request succeeds");
     let (parts, body) = response.into_parts();
     let body = body.collect().await.expect("read body").to_bytes();
-    Resp { status: parts.status.as_u16(), headers: parts.headers, body }
+    Resp {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
 }
 
 /// Writes `request` on a fresh connection and reads until the server closes it (at most

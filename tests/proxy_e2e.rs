@@ -583,6 +583,29 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn responses_use_the_clients_http_version() {
+    // An upstream that answers in HTTP/1.0, as some small servers do.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.0 201 Created\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    let gw = Gateway::start(&["--upstream", &format!("http://{addr}"), "--store", "memory"]);
+    let response = raw(gw.addr, b"POST /v HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-v\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").await;
+    assert!(response.starts_with("HTTP/1.1 201"), "{response}");
+    upstream.abort();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn h2c_clients_are_served() {
     let s = setup().await;
     let first = send_h2c("POST", &s.gw.url("/h2"), &[key("k-h2")], "x").await;

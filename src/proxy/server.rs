@@ -535,7 +535,7 @@ fn log_request<B>(
     latency: Duration,
 ) {
     let status = response.status().as_u16();
-    let latency_ms = latency.as_secs_f64() * 1000.0;
+    let latency_ms = latency.as_micros() as f64 / 1000.0;
     let Some(outcome) = response.extensions().get::<Outcome>() else {
         tracing::info!(%method, path, status, latency_ms, client = %peer.ip(), "request");
         return;
@@ -545,9 +545,9 @@ fn log_request<B>(
     let record = outcome.record.map(|r| r.short());
     let record = record.as_deref().unwrap_or("-");
     if outcome.decision == crate::response::Decision::PassedThrough {
-        tracing::debug!(route = %outcome.route, outcome = decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
+        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
     } else {
-        tracing::info!(route = %outcome.route, outcome = decision, status, latency_ms, record, %method, path, client = %peer.ip(), "request");
+        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, path, client = %peer.ip(), "request");
     }
 }
 

@@ -22,8 +22,9 @@ WORKDIR /data
 # The embedded durable store (redb) keeps records here; mount a volume so they survive the
 # container.
 VOLUME /data
-# Inside the container listen on every interface. These are environment defaults, so a
-# config file or a flag still overrides them (flags > IDEMGATE_* > file > defaults).
+# Inside the container listen on every interface and keep records on the volume. Precedence
+# is flags > IDEMGATE_* > config file > defaults, so these win over the same keys in a mounted
+# config file: change them with a flag (--listen …) or with -e IDEMGATE_LISTEN=….
 ENV IDEMGATE_LISTEN=0.0.0.0:8080 \
     IDEMGATE_ADMIN_LISTEN=0.0.0.0:9090 \
     IDEMGATE_STORE=redb:/data/idemgate.redb

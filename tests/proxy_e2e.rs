@@ -496,6 +496,59 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
     assert_eq!(upstream.hits("/drain"), 1);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
+    let upstream = TestUpstream::start().await;
+    // Nothing listens there: every store call fails.
+    let store = format!("redis://{}", free_addr());
+    let dir = TempDir::new();
+    let closed = dir.write("closed.toml", "store_timeout = \"500ms\"\n");
+    let gw = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--store",
+        &store,
+        "--config",
+        closed.to_str().unwrap(),
+    ]);
+    let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem_type(), "urn:idemgate:problem:store-unavailable");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(
+        upstream.hits("/pay"),
+        0,
+        "nothing is forwarded when failing closed"
+    );
+    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
+    assert!(
+        send("GET", &gw.url("/pay"), &[], "").await.status == 201,
+        "requests that take no part still pass"
+    );
+    drop(gw);
+
+    let open = dir.write(
+        "open.toml",
+        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
+    );
+    let gw = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--store",
+        &store,
+        "--config",
+        open.to_str().unwrap(),
+    ]);
+    let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
+    assert_eq!(r.status, 201, "forwarded unprotected");
+    assert_eq!(upstream.hits("/pay"), 2);
+    let metrics = admin_get(&gw, "/metrics", &[]).await.text();
+    assert!(
+        metrics.contains("idemgate_unprotected_passes_total 1\n"),
+        "{metrics}"
+    );
+}
+
 // ---- the wire -----------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]

@@ -65,7 +65,7 @@ impl fmt::Debug for Hash256 {
 /// see the raw key.
 pub type RecordKey = Hash256;
 
-/// SHA-256 over what makes two requests "the same request" (see [`crate::Fingerprint`]).
+/// SHA-256 over what makes two requests "the same request" (see [`crate::fingerprint::fingerprint`]).
 pub type FingerprintHash = Hash256;
 
 /// Identifies the gateway task that owns an in-flight record. Completing, releasing, renewing

@@ -13,8 +13,12 @@ use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
 mod memory;
+#[cfg(feature = "redb")]
+mod redb;
 
 pub use memory::{MemoryStore, MemoryStoreConfig};
+#[cfg(feature = "redb")]
+pub use self::redb::RedbStore;
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

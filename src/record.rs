@@ -178,7 +178,7 @@ pub fn from_unix_millis(ms: u64) -> SystemTime {
 /// A record body that could not be decoded: written by a newer build, or damaged.
 #[derive(Debug, thiserror::Error)]
 #[error("undecodable record: {0}")]
-pub struct DecodeError(&'static str);
+pub struct DecodeError(pub(crate) &'static str);
 
 impl DecodeError {
     /// An error saying what was wrong, for stores that check their own framing around the

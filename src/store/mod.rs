@@ -13,12 +13,16 @@ use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
 mod memory;
+#[cfg(feature = "redb")]
+mod redb;
 #[cfg(feature = "redis")]
 mod redis;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
 pub use memory::{MemoryStore, MemoryStoreConfig};
+#[cfg(feature = "redb")]
+pub use self::redb::RedbStore;
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -18,11 +18,11 @@ mod redb;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(feature = "redb")]
+pub use self::redb::RedbStore;
 #[cfg(feature = "redis")]
 pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
 pub use memory::{MemoryStore, MemoryStoreConfig};
-#[cfg(feature = "redb")]
-pub use self::redb::RedbStore;
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -16,9 +16,9 @@ mod memory;
 #[cfg(feature = "redb")]
 mod redb;
 
-pub use memory::{MemoryStore, MemoryStoreConfig};
 #[cfg(feature = "redb")]
 pub use self::redb::RedbStore;
+pub use memory::{MemoryStore, MemoryStoreConfig};
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

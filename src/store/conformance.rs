@@ -31,7 +31,7 @@ use crate::record::{
 /// A short lease, for checks that wait for one to lapse.
 pub const SHORT_LEASE: Duration = Duration::from_millis(200);
 /// A short ttl, for checks that wait for a record to expire.
-pub const SHORT_TTL: Duration = Duration::from_millis(300);
+pub const SHORT_TTL: Duration = Duration::from_millis(500);
 /// A lease or ttl no check outlives.
 pub const LONG: Duration = Duration::from_secs(60);
 /// How far a backend's wall clock may be from this process's in a reported time.
@@ -1072,8 +1072,8 @@ pub async fn mark_ambiguous_blocks_reruns(store: Arc<dyn Store>) {
 // ---------------------------------------------------------------------------------------------
 // TTL.
 
-/// Waits until `key` has vanished, for at most `within` beyond `SHORT_TTL`; then the next
-/// claim acquires.
+/// Waits twice [`SHORT_TTL`], then asserts `key`'s record (set with that ttl) has vanished
+/// and the next claim acquires.
 async fn assert_expires(store: &dyn Store, key: &RecordKey, fp: &FingerprintHash, what: &str) {
     tokio::time::sleep(SHORT_TTL * 2).await;
     assert_eq!(

@@ -199,7 +199,7 @@ impl Metrics {
         self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a client connection opened (`+1`) or closed (`-1`).
+    /// Counts a client connection opened.
     pub fn connection_opened(&self) {
         self.open_connections.fetch_add(1, Ordering::Relaxed);
     }

@@ -123,7 +123,7 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(server::run(settings, shutdown_signal())) {
+    match runtime.block_on(async { server::run(settings, shutdown_signal()).await }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!(error = %error_chain(&error), "idemgate could not start");
@@ -133,30 +133,37 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Resolves on the first SIGTERM or SIGINT. The handlers are installed when this is called
+/// (inside a Tokio runtime), not when the future is first polled, so a signal that arrives
+/// while the gateway is still starting is not lost to the default action.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match (
+        let handlers = (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
-        ) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM received"),
-                    _ = int.recv() => tracing::info!("SIGINT received"),
+        );
+        async move {
+            match handlers {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM received"),
+                        _ = int.recv() => tracing::info!("SIGINT received"),
+                    }
                 }
-            }
-            _ => {
-                tracing::warn!("cannot install signal handlers; falling back to Ctrl-C only");
-                let _ = tokio::signal::ctrl_c().await;
+                _ => {
+                    tracing::warn!("cannot install signal handlers; falling back to Ctrl-C only");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 

@@ -219,11 +219,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let builder = proxy_builder(&limits);
     let accept = accept_loop(
         listener,
-        Front {
-            inner: service,
-            peer: proxy_addr,
-            metrics: Arc::clone(&metrics),
-        },
+        service,
+        Arc::clone(&metrics),
         builder,
         Arc::clone(&connections),
         limits,
@@ -291,7 +288,8 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
 
 async fn accept_loop<S, B>(
     listener: TcpListener,
-    front: Front<S>,
+    service: S,
+    metrics: Arc<Metrics>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Semaphore>,
     limits: Limits,
@@ -321,14 +319,18 @@ async fn accept_loop<S, B>(
             }
         };
         let _ = stream.set_nodelay(true);
-        let mut front = front.clone();
-        front.peer = peer;
+        let front = Front {
+            inner: service.clone(),
+            peer,
+            metrics: Arc::clone(&metrics),
+        };
         let builder = builder.clone();
         let stop = stop.clone();
+        let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
-            front.metrics.connection_opened();
-            serve_connection(stream, front.clone(), &builder, limits, stop).await;
-            front.metrics.connection_closed();
+            metrics.connection_opened();
+            serve_connection(stream, front, &builder, limits, stop).await;
+            metrics.connection_closed();
             drop(permit);
         });
     }

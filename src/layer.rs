@@ -165,7 +165,9 @@ impl IdempotencyLayer {
         let prefix = prefix.into();
         shared.routes.retain(|(p, _)| *p != prefix);
         shared.routes.push((prefix, Route::new(policy)));
-        shared.routes.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        shared
+            .routes
+            .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         self
     }
 

@@ -29,6 +29,8 @@ const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Polling bounds while a `concurrent = "wait"` request waits for the first one.
 const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
 const WAIT_POLL_MAX: Duration = Duration::from_millis(200);
+/// Tries at releasing a claim whose answer was lost.
+const UNDO_ATTEMPTS: u32 = 3;
 /// Frames of an over-limit response buffered between the upstream and a slow client.
 const RELAY_FRAMES: usize = 8;
 
@@ -281,13 +283,15 @@ impl Keyed {
             Concurrent::Reject => None,
         };
         let mut poll = WAIT_POLL_MIN;
+        let token = OwnerToken::generate();
         let claim = loop {
             let claim = self
-                .store_call(
-                    self.shared
-                        .store
-                        .claim(&self.record, &self.fingerprint, &options),
-                )
+                .store_call(self.shared.store.claim(
+                    &self.record,
+                    &self.fingerprint,
+                    token,
+                    &options,
+                ))
                 .await;
             match claim {
                 Ok(Claim::InFlight { .. })
@@ -299,6 +303,9 @@ impl Keyed {
                 other => break other,
             }
         };
+        if claim.is_err() {
+            self.undo_claim(token);
+        }
         let answer = match claim {
             Ok(Claim::Acquired(token)) => return self.execute(inner, req, token, reply).await,
             Ok(Claim::Completed(completion)) => match &*completion {
@@ -341,6 +348,29 @@ impl Keyed {
             },
         };
         let _ = reply.send(Ok(answer));
+    }
+
+    /// A claim whose answer was lost (a timeout, a dropped connection) may still have landed
+    /// in the store, holding the key for a request that never ran. Release it with the token
+    /// it would carry: fenced, so it removes that claim and nothing else. Stores apply one
+    /// caller's commands in order, so the release lands after a late claim.
+    fn undo_claim(&self, token: OwnerToken) {
+        let store = self.shared.store.clone();
+        let record = self.record;
+        let timeout = self.shared.store_timeout;
+        tokio::spawn(async move {
+            for attempt in 0..UNDO_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(timeout).await;
+                }
+                if let Ok(Ok(_)) =
+                    tokio::time::timeout(timeout, store.release(&record, token)).await
+                {
+                    return;
+                }
+            }
+            tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
+        });
     }
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, Record, StoredResponse};
+use idemgate::record::{Completion, Hash256, OwnerToken, Record, StoredResponse};
 use idemgate::store::{Claim, ClaimOptions, RedbStore, Store, Transition, UnknownOutcome};
 
 /// A database path no other test (nor another run) uses; removed on drop with redb's files.
@@ -127,7 +127,11 @@ async fn records_and_tokens_survive_reopening() {
     let (done, pending) = (Hash256::of(b"done"), Hash256::of(b"pending"));
     let token = {
         let store = RedbStore::open(&path.0).unwrap();
-        let Claim::Acquired(t) = store.claim(&done, &fp, &long()).await.unwrap() else {
+        let Claim::Acquired(t) = store
+            .claim(&done, &fp, OwnerToken::generate(), &long())
+            .await
+            .unwrap()
+        else {
             panic!("not acquired");
         };
         let stored = store
@@ -140,19 +144,30 @@ async fn records_and_tokens_survive_reopening() {
             .await
             .unwrap();
         assert_eq!(stored, Transition::Applied);
-        let Claim::Acquired(t) = store.claim(&pending, &fp, &long()).await.unwrap() else {
+        let Claim::Acquired(t) = store
+            .claim(&pending, &fp, OwnerToken::generate(), &long())
+            .await
+            .unwrap()
+        else {
             panic!("not acquired");
         };
         t
     };
     let store = RedbStore::open(&path.0).unwrap();
-    match store.claim(&done, &fp, &long()).await.unwrap() {
+    match store
+        .claim(&done, &fp, OwnerToken::generate(), &long())
+        .await
+        .unwrap()
+    {
         Claim::Completed(c) => assert_eq!(*c, response(b"kept".to_vec())),
         other => panic!("after reopening: {other:?}"),
     }
     // An owner from before the restart still holds its record.
     assert!(matches!(
-        store.claim(&pending, &fp, &long()).await.unwrap(),
+        store
+            .claim(&pending, &fp, OwnerToken::generate(), &long())
+            .await
+            .unwrap(),
         Claim::InFlight { .. }
     ));
     assert_eq!(
@@ -179,8 +194,10 @@ async fn space_of_expired_records_is_reused() {
                 tokio::spawn(async move {
                     for i in 0..63u32 {
                         let key = Hash256::of(format!("reuse-{round}-{task}-{i}").as_bytes());
-                        let Claim::Acquired(token) =
-                            store.claim(&key, &fp, &options(ttl, ttl)).await.unwrap()
+                        let Claim::Acquired(token) = store
+                            .claim(&key, &fp, OwnerToken::generate(), &options(ttl, ttl))
+                            .await
+                            .unwrap()
                         else {
                             panic!("fresh key not acquired");
                         };
@@ -226,7 +243,10 @@ async fn sweep_removes_expired_records_in_batches() {
             tokio::spawn(async move {
                 for i in 0..100u32 {
                     let key = Hash256::of(format!("sweep-{task}-{i}").as_bytes());
-                    store.claim(&key, &fp, &short).await.unwrap();
+                    store
+                        .claim(&key, &fp, OwnerToken::generate(), &short)
+                        .await
+                        .unwrap();
                 }
             })
         })
@@ -235,7 +255,10 @@ async fn sweep_removes_expired_records_in_batches() {
         task.await.unwrap();
     }
     let live = Hash256::of(b"live");
-    store.claim(&live, &fp, &long()).await.unwrap();
+    store
+        .claim(&live, &fp, OwnerToken::generate(), &long())
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The writer sweeps on its own too, so count what is left rather than what this removed.
     store.sweep().await.unwrap();
@@ -298,7 +321,10 @@ fn crash_child_writes_until_killed() {
                     let i = n * 8 + writer;
                     let key = crash_key(i);
                     let fp = Hash256::of(b"fp");
-                    let Ok(Claim::Acquired(token)) = store.claim(&key, &fp, &long()).await else {
+                    let Ok(Claim::Acquired(token)) = store
+                        .claim(&key, &fp, OwnerToken::generate(), &long())
+                        .await
+                    else {
                         return;
                     };
                     let completion = response(crash_body(i));
@@ -356,7 +382,11 @@ async fn acknowledged_records_survive_kill_9() {
     let fp = Hash256::of(b"fp");
     for &i in &acked {
         let key = crash_key(i);
-        match store.claim(&key, &fp, &long()).await.unwrap() {
+        match store
+            .claim(&key, &fp, OwnerToken::generate(), &long())
+            .await
+            .unwrap()
+        {
             Claim::Completed(c) => assert_eq!(*c, response(crash_body(i)), "record {i} changed"),
             other => panic!("acknowledged record {i} did not survive: {other:?}"),
         }
@@ -371,7 +401,10 @@ async fn acknowledged_records_survive_kill_9() {
     // The reopened file takes new writes.
     let key = Hash256::of(b"after-crash");
     assert!(matches!(
-        store.claim(&key, &fp, &long()).await.unwrap(),
+        store
+            .claim(&key, &fp, OwnerToken::generate(), &long())
+            .await
+            .unwrap(),
         Claim::Acquired(_)
     ));
 }

@@ -404,10 +404,14 @@ impl Store for InstrumentedStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        self.timed(StoreOp::Claim, self.inner.claim(key, fingerprint, options))
-            .await
+        self.timed(
+            StoreOp::Claim,
+            self.inner.claim(key, fingerprint, token, options),
+        )
+        .await
     }
 
     async fn complete(

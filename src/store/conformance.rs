@@ -199,7 +199,7 @@ pub async fn acquire_with(
     fp: &FingerprintHash,
     options: &ClaimOptions,
 ) -> OwnerToken {
-    match store.claim(key, fp, options).await {
+    match store.claim(key, fp, OwnerToken::generate(), options).await {
         Ok(Claim::Acquired(token)) => token,
         other => panic!("claim of a free key: expected Acquired, got {other:?}"),
     }
@@ -212,7 +212,7 @@ async fn claim(
     options: &ClaimOptions,
 ) -> Claim {
     store
-        .claim(key, fp, options)
+        .claim(key, fp, OwnerToken::generate(), options)
         .await
         .unwrap_or_else(|e| panic!("claim failed: {e}"))
 }
@@ -1289,7 +1289,9 @@ async fn race(
             let fp = fingerprints(i);
             tokio::spawn(async move {
                 barrier.wait().await;
-                let claim = store.claim(&key, &fp, &options).await;
+                let claim = store
+                    .claim(&key, &fp, OwnerToken::generate(), &options)
+                    .await;
                 (fp, claim)
             })
         })

@@ -239,11 +239,11 @@ impl Inner {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Option<Claim> {
         self.with_shard(key, |shard, now| {
             let fresh = |now: Instant| {
-                let token = OwnerToken::generate();
                 let entry = Entry {
                     fingerprint: *fingerprint,
                     expires: now + options.ttl,
@@ -417,15 +417,16 @@ impl Store for MemoryStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        if let Some(claim) = self.inner.try_claim(key, fingerprint, options) {
+        if let Some(claim) = self.inner.try_claim(key, fingerprint, token, options) {
             return Ok(claim);
         }
         // Full: expired records do not count, so remove them all and try once more.
         self.sweep();
         self.inner
-            .try_claim(key, fingerprint, options)
+            .try_claim(key, fingerprint, token, options)
             .ok_or(StoreError::AtCapacity {
                 backend: "memory",
                 capacity: self.inner.capacity,
@@ -586,12 +587,19 @@ mod tests {
         let long = opts(Duration::from_secs(60));
         let mut tokens = Vec::new();
         for i in 0..10 {
-            match store.claim(&key(i), &fp(), &long).await.unwrap() {
+            match store
+                .claim(&key(i), &fp(), OwnerToken::generate(), &long)
+                .await
+                .unwrap()
+            {
                 Claim::Acquired(t) => tokens.push(t),
                 other => panic!("claim {i}: {other:?}"),
             }
         }
-        let err = store.claim(&key(10), &fp(), &long).await.unwrap_err();
+        let err = store
+            .claim(&key(10), &fp(), OwnerToken::generate(), &long)
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -606,7 +614,10 @@ mod tests {
         // Every live record is still there and answers.
         for i in 0..10 {
             assert!(matches!(
-                store.claim(&key(i), &fp(), &long).await.unwrap(),
+                store
+                    .claim(&key(i), &fp(), OwnerToken::generate(), &long)
+                    .await
+                    .unwrap(),
                 Claim::InFlight { .. }
             ));
         }
@@ -616,14 +627,25 @@ mod tests {
             Transition::Applied
         );
         assert!(matches!(
-            store.claim(&key(10), &fp(), &long).await.unwrap(),
+            store
+                .claim(&key(10), &fp(), OwnerToken::generate(), &long)
+                .await
+                .unwrap(),
             Claim::Acquired(_)
         ));
-        assert!(store.claim(&key(11), &fp(), &long).await.is_err());
+        assert!(
+            store
+                .claim(&key(11), &fp(), OwnerToken::generate(), &long)
+                .await
+                .is_err()
+        );
         // So does a deleted one.
         assert!(store.delete(&key(0)).await.unwrap());
         assert!(matches!(
-            store.claim(&key(11), &fp(), &long).await.unwrap(),
+            store
+                .claim(&key(11), &fp(), OwnerToken::generate(), &long)
+                .await
+                .unwrap(),
             Claim::Acquired(_)
         ));
         assert_eq!(store.len(), 10);
@@ -635,13 +657,23 @@ mod tests {
         let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
         for i in 0..100 {
             store
-                .claim(&key(i), &fp(), &opts(Duration::from_millis(500)))
+                .claim(
+                    &key(i),
+                    &fp(),
+                    OwnerToken::generate(),
+                    &opts(Duration::from_millis(500)),
+                )
                 .await
                 .unwrap();
         }
         assert!(
             store
-                .claim(&key(100), &fp(), &opts(Duration::from_secs(60)))
+                .claim(
+                    &key(100),
+                    &fp(),
+                    OwnerToken::generate(),
+                    &opts(Duration::from_secs(60))
+                )
                 .await
                 .is_err()
         );
@@ -650,7 +682,12 @@ mod tests {
             assert!(
                 matches!(
                     store
-                        .claim(&key(i), &fp(), &opts(Duration::from_secs(60)))
+                        .claim(
+                            &key(i),
+                            &fp(),
+                            OwnerToken::generate(),
+                            &opts(Duration::from_secs(60))
+                        )
                         .await
                         .unwrap(),
                     Claim::Acquired(_)
@@ -661,7 +698,12 @@ mod tests {
         assert_eq!(store.len(), 100);
         assert!(
             store
-                .claim(&key(200), &fp(), &opts(Duration::from_secs(60)))
+                .claim(
+                    &key(200),
+                    &fp(),
+                    OwnerToken::generate(),
+                    &opts(Duration::from_secs(60))
+                )
                 .await
                 .is_err()
         );
@@ -679,7 +721,10 @@ mod tests {
             for i in 0..10_000 {
                 let k = key(round * 10_000 + i);
                 assert!(matches!(
-                    store.claim(&k, &fp(), &short).await.unwrap(),
+                    store
+                        .claim(&k, &fp(), OwnerToken::generate(), &short)
+                        .await
+                        .unwrap(),
                     Claim::Acquired(_)
                 ));
             }
@@ -721,7 +766,12 @@ mod tests {
         runtime.block_on(async {
             for i in 0..50 {
                 store
-                    .claim(&key(i), &fp(), &opts(Duration::from_millis(300)))
+                    .claim(
+                        &key(i),
+                        &fp(),
+                        OwnerToken::generate(),
+                        &opts(Duration::from_millis(300)),
+                    )
                     .await
                     .unwrap();
             }
@@ -742,7 +792,12 @@ mod tests {
         let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
         let k = key(1);
         let Claim::Acquired(t) = store
-            .claim(&k, &fp(), &opts(Duration::from_secs(5)))
+            .claim(
+                &k,
+                &fp(),
+                OwnerToken::generate(),
+                &opts(Duration::from_secs(5)),
+            )
             .await
             .unwrap()
         else {

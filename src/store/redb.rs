@@ -545,6 +545,7 @@ enum Op {
     Claim {
         key: RecordKey,
         fingerprint: FingerprintHash,
+        token: OwnerToken,
         options: ClaimOptions,
         reply: Reply<Claim>,
     },
@@ -783,9 +784,10 @@ impl Tables<'_> {
             Op::Claim {
                 key,
                 fingerprint,
+                token,
                 options,
                 reply,
-            } => split(reply, self.claim(&key, &fingerprint, &options, now)),
+            } => split(reply, self.claim(&key, &fingerprint, token, &options, now)),
             Op::Complete {
                 key,
                 token,
@@ -885,6 +887,7 @@ impl Tables<'_> {
         &mut self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
         now: u64,
     ) -> Result<Result<Claim, StoreError>, redb::Error> {
@@ -910,7 +913,6 @@ impl Tables<'_> {
                     }
                 }
                 ClaimStep::Acquire { replaces } => {
-                    let token = OwnerToken::generate();
                     let header = Header {
                         fingerprint: *fingerprint,
                         expires: after(now, options.ttl),
@@ -1033,6 +1035,7 @@ impl Store for RedbStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
         // A claim that changes nothing (a replay, a conflict) is answered from a read
@@ -1061,6 +1064,7 @@ impl Store for RedbStore {
         self.call(|reply| Op::Claim {
             key: *key,
             fingerprint: *fingerprint,
+            token,
             options: *options,
             reply,
         })
@@ -1240,7 +1244,11 @@ mod tests {
         let mut owned = Vec::new();
         for i in 0..256u32 {
             let key = Hash256::of(&i.to_be_bytes());
-            match store.claim(&key, &fp, &options).await.unwrap() {
+            match store
+                .claim(&key, &fp, OwnerToken::generate(), &options)
+                .await
+                .unwrap()
+            {
                 Claim::Acquired(token) => owned.push((key, token)),
                 other => panic!("{other:?}"),
             }

@@ -510,6 +510,8 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
         &store,
         "--config",
         closed.to_str().unwrap(),
+        "--admin-token",
+        TOKEN,
     ]);
     let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
     assert_eq!(r.status, 503);
@@ -520,7 +522,17 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
         0,
         "nothing is forwarded when failing closed"
     );
-    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
+    let ready = admin_get(&gw, "/readyz", &[]).await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.problem_type(), "urn:idemgate:problem:not-ready");
+    let auth = ("authorization", &*format!("Bearer {TOKEN}"));
+    let lookup = admin_get(&gw, "/keys?route=default&key=k-store", &[auth]).await;
+    assert_eq!(lookup.status, 503);
+    assert_eq!(
+        lookup.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert!(lookup.headers.contains_key("retry-after"));
     assert!(
         send("GET", &gw.url("/pay"), &[], "").await.status == 201,
         "requests that take no part still pass"
@@ -730,6 +742,8 @@ async fn admin_health_readiness_metrics_and_token() {
     // Record endpoints: a token is required and checked.
     let none = admin_get(&s.gw, "/keys?route=default&key=k-m", &[]).await;
     assert_eq!(none.status, 401);
+    assert_eq!(none.problem_type(), "urn:idemgate:problem:unauthorized");
+    assert_eq!(none.headers["www-authenticate"], "Bearer");
     let wrong = admin_get(
         &s.gw,
         "/keys?route=default&key=k-m",
@@ -737,6 +751,8 @@ async fn admin_health_readiness_metrics_and_token() {
     )
     .await;
     assert_eq!(wrong.status, 401);
+    assert_eq!(wrong.problem_type(), "urn:idemgate:problem:unauthorized");
+    assert_eq!(wrong.headers["www-authenticate"], "Bearer");
     let auth = ("authorization", &*format!("Bearer {TOKEN}"));
     let ok = admin_get(&s.gw, "/keys?route=default&key=k-m", &[auth]).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
@@ -749,8 +765,60 @@ async fn admin_health_readiness_metrics_and_token() {
     )
     .await;
     assert_eq!(scoped.status, 404, "another caller's scope holds no record");
+    assert_eq!(
+        scoped.problem_type(),
+        "urn:idemgate:problem:record-not-found"
+    );
     let unknown_route = admin_get(&s.gw, "/keys?route=nope&key=k-m", &[auth]).await;
     assert_eq!(unknown_route.status, 404);
+    assert_eq!(
+        unknown_route.problem_type(),
+        "urn:idemgate:problem:not-found"
+    );
+    assert!(
+        unknown_route.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("nope")),
+        "{}",
+        unknown_route.text()
+    );
+
+    // Malformed queries, unknown paths and wrong methods: problem responses too.
+    for bad in ["/records/not-hex", "/keys?key=k-m", "/keys?route=default"] {
+        let r = admin_get(&s.gw, bad, &[auth]).await;
+        assert_eq!(r.status, 400, "{bad}");
+        assert_eq!(
+            r.problem_type(),
+            "urn:idemgate:problem:bad-request",
+            "{bad}"
+        );
+    }
+    let nowhere = admin_get(&s.gw, "/nowhere", &[]).await;
+    assert_eq!(nowhere.status, 404);
+    assert_eq!(nowhere.problem_type(), "urn:idemgate:problem:not-found");
+    let admin = s.gw.admin;
+    let post = send("POST", &format!("http://{admin}/metrics"), &[], "").await;
+    assert_eq!(post.status, 405);
+    assert_eq!(
+        post.problem_type(),
+        "urn:idemgate:problem:method-not-allowed"
+    );
+    assert_eq!(post.headers["allow"], "GET");
+    let put = send(
+        "PUT",
+        &format!("http://{admin}/keys?route=default&key=k-m"),
+        &[auth],
+        "",
+    )
+    .await;
+    assert_eq!(put.status, 405);
+    assert_eq!(put.headers["allow"], "GET, DELETE");
+
+    // The successful answers stay plain.
+    let health = admin_get(&s.gw, "/healthz", &[]).await;
+    assert_eq!(health.headers["content-type"], "text/plain; charset=utf-8");
+    assert_eq!(health.text(), "ok\n");
+    assert_eq!(ok.headers["content-type"], "application/json");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -764,7 +832,14 @@ async fn record_endpoints_are_off_without_a_token() {
     )
     .await;
     assert_eq!(r.status, 404);
-    assert!(r.text().contains("admin_token"), "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idemgate:problem:not-found");
+    assert!(
+        r.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("admin_token")),
+        "{}",
+        r.text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -168,7 +168,7 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
 }
 
 /// An error and its causes on one line.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

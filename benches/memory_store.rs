@@ -11,7 +11,7 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, RecordKey, StoredResponse};
+use idemgate::record::{Completion, Hash256, OwnerToken, RecordKey, StoredResponse};
 use idemgate::store::{Claim, ClaimOptions, MemoryStore, Store, UnknownOutcome};
 
 /// Records live this long, so a run of millions of new keys keeps a bounded, steady-state
@@ -67,8 +67,9 @@ fn memory_store(c: &mut Criterion) {
                 for _ in 0..iters {
                     next += 1;
                     let key = key(next);
-                    let Ok(Claim::Acquired(token)) =
-                        store.claim(&key, &fingerprint, &options).await
+                    let Ok(Claim::Acquired(token)) = store
+                        .claim(&key, &fingerprint, OwnerToken::generate(), &options)
+                        .await
                     else {
                         panic!("a new key must be acquired");
                     };
@@ -86,7 +87,10 @@ fn memory_store(c: &mut Criterion) {
         ..options
     };
     rt.block_on(async {
-        let Ok(Claim::Acquired(token)) = store.claim(&replayed, &fingerprint, &long).await else {
+        let Ok(Claim::Acquired(token)) = store
+            .claim(&replayed, &fingerprint, OwnerToken::generate(), &long)
+            .await
+        else {
             panic!("a new key must be acquired");
         };
         let _ = store
@@ -98,7 +102,14 @@ fn memory_store(c: &mut Criterion) {
             rt.block_on(async {
                 let start = Instant::now();
                 for _ in 0..iters {
-                    let claim = store.claim(black_box(&replayed), &fingerprint, &long).await;
+                    let claim = store
+                        .claim(
+                            black_box(&replayed),
+                            &fingerprint,
+                            OwnerToken::generate(),
+                            &long,
+                        )
+                        .await;
                     assert!(matches!(claim, Ok(Claim::Completed(_))));
                 }
                 start.elapsed()

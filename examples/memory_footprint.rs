@@ -17,12 +17,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use idemgate::record::{Completion, Hash256, OwnerToken, RecordKey, StoredResponse};
-use idemgate::store::{
-    Claim, ClaimOptions, MemoryStore, MemoryStoreConfig, Store, UnknownOutcome,
-};
+use idemgate::store::{Claim, ClaimOptions, MemoryStore, MemoryStoreConfig, Store, UnknownOutcome};
 
 const JSON: &[u8] = br#"{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}"#;
 /// The size of the buffer a connection reads a response into.
@@ -81,7 +79,10 @@ async fn put(store: &MemoryStore, n: u64, ttl: Duration) -> bool {
     };
     let key = key(n);
     let token = OwnerToken::generate();
-    match store.claim(&key, &Hash256::of(b"request"), token, &options).await {
+    match store
+        .claim(&key, &Hash256::of(b"request"), token, &options)
+        .await
+    {
         Ok(Claim::Acquired(token)) => store
             .complete(&key, token, captured_response(), ttl)
             .await

@@ -65,7 +65,7 @@ impl fmt::Debug for Hash256 {
 /// see the raw key.
 pub type RecordKey = Hash256;
 
-/// SHA-256 over what makes two requests "the same request" (see [`crate::Fingerprint`]).
+/// SHA-256 over what makes two requests "the same request" (see [`crate::fingerprint::fingerprint`]).
 pub type FingerprintHash = Hash256;
 
 /// Identifies the gateway task that owns an in-flight record. Completing, releasing, renewing
@@ -178,7 +178,7 @@ pub fn from_unix_millis(ms: u64) -> SystemTime {
 /// A record body that could not be decoded: written by a newer build, or damaged.
 #[derive(Debug, thiserror::Error)]
 #[error("undecodable record: {0}")]
-pub struct DecodeError(&'static str);
+pub struct DecodeError(pub(crate) &'static str);
 
 impl DecodeError {
     /// An error saying what was wrong, for stores that check their own framing around the

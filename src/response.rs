@@ -20,14 +20,26 @@
 //! | `upstream-timeout` | 504 | the upstream did not answer within `upstream_timeout` |
 //! | `store-unavailable` | 503 + `Retry-After` | the record store failed or did not answer in time; nothing was forwarded |
 //! | `internal-error` | 500 | idemgate's own task ended without an answer (a bug) |
+//!
+//! The proxy's admin listener answers its own errors with these, `store-unavailable` above
+//! included (a record lookup or deletion whose store call failed):
+//!
+//! | slug | status | when |
+//! | --- | --- | --- |
+//! | `unauthorized` | 401 + `WWW-Authenticate: Bearer` | a record endpoint was called without the right `Authorization: Bearer <admin_token>` |
+//! | `bad-request` | 400 | a malformed admin query: a record key that is not 64 hex digits, bad percent-encoding, a missing `route` or `key`, a parameter that is not one of the route's scope headers, an invalid key |
+//! | `not-found` | 404 | no such admin path, no route of that name, or the record endpoints are disabled (no `admin_token`) |
+//! | `record-not-found` | 404 | the store holds no record under that key (never claimed, expired, or deleted) |
+//! | `method-not-allowed` | 405 + `Allow` | an admin path called with a method it does not serve |
+//! | `not-ready` | 503 | `/readyz`: the store did not answer its ping within `store_timeout`, or shutdown has begun |
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderName, HeaderValue, Response, StatusCode};
+use http::header::{ALLOW, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::{HeaderName, HeaderValue, Method, Response, StatusCode};
 
 use crate::record::{Hash256, StoredResponse};
 
@@ -65,6 +77,18 @@ pub enum ProblemKind {
     StoreUnavailable,
     /// `500 internal-error`.
     Internal,
+    /// `401 unauthorized` (admin listener).
+    Unauthorized,
+    /// `400 bad-request` (admin listener).
+    BadRequest,
+    /// `404 not-found` (admin listener).
+    NotFound,
+    /// `404 record-not-found` (admin listener).
+    RecordNotFound,
+    /// `405 method-not-allowed` (admin listener).
+    MethodNotAllowed,
+    /// `503 not-ready` (admin listener).
+    NotReady,
 }
 
 impl ProblemKind {
@@ -83,6 +107,12 @@ impl ProblemKind {
             ProblemKind::UpstreamTimeout => "upstream-timeout",
             ProblemKind::StoreUnavailable => "store-unavailable",
             ProblemKind::Internal => "internal-error",
+            ProblemKind::Unauthorized => "unauthorized",
+            ProblemKind::BadRequest => "bad-request",
+            ProblemKind::NotFound => "not-found",
+            ProblemKind::RecordNotFound => "record-not-found",
+            ProblemKind::MethodNotAllowed => "method-not-allowed",
+            ProblemKind::NotReady => "not-ready",
         }
     }
 
@@ -101,15 +131,25 @@ impl ProblemKind {
             ProblemKind::UpstreamTimeout => "Upstream timed out",
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::Internal => "Internal gateway error",
+            ProblemKind::Unauthorized => "Admin token required",
+            ProblemKind::BadRequest => "Malformed admin request",
+            ProblemKind::NotFound => "Not found",
+            ProblemKind::RecordNotFound => "No record under this key",
+            ProblemKind::MethodNotAllowed => "Method not allowed",
+            ProblemKind::NotReady => "Gateway not ready",
         }
     }
 
     /// The default status.
     pub fn status(self) -> StatusCode {
         match self {
-            ProblemKind::InvalidKey | ProblemKind::MissingKey | ProblemKind::RequestBodyError => {
-                StatusCode::BAD_REQUEST
-            }
+            ProblemKind::InvalidKey
+            | ProblemKind::MissingKey
+            | ProblemKind::RequestBodyError
+            | ProblemKind::BadRequest => StatusCode::BAD_REQUEST,
+            ProblemKind::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProblemKind::NotFound | ProblemKind::RecordNotFound => StatusCode::NOT_FOUND,
+            ProblemKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ProblemKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::RequestInFlight | ProblemKind::ResponseNotReplayable => {
@@ -119,7 +159,9 @@ impl ProblemKind {
                 StatusCode::BAD_GATEWAY
             }
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::StoreUnavailable | ProblemKind::NotReady => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -132,6 +174,8 @@ pub struct Problem {
     status: StatusCode,
     detail: Cow<'static, str>,
     retry_after: Option<Duration>,
+    /// One more header the kind calls for (`WWW-Authenticate`, `Allow`).
+    header: Option<(HeaderName, HeaderValue)>,
 }
 
 impl Problem {
@@ -141,6 +185,7 @@ impl Problem {
             status: kind.status(),
             detail: detail.into(),
             retry_after: None,
+            header: None,
         }
     }
 
@@ -268,6 +313,70 @@ impl Problem {
         )
     }
 
+    /// `503 store-unavailable` with `Retry-After`, for an admin record call: `why` says how
+    /// the store failed.
+    pub fn admin_store_unavailable(
+        why: impl Into<Cow<'static, str>>,
+        retry_after: Duration,
+    ) -> Self {
+        let mut p = Self::new(ProblemKind::StoreUnavailable, why);
+        p.retry_after = Some(retry_after);
+        p
+    }
+
+    /// `401 unauthorized` with `WWW-Authenticate: Bearer`: a record endpoint was called
+    /// without the admin token.
+    pub fn unauthorized() -> Self {
+        let mut p = Self::new(
+            ProblemKind::Unauthorized,
+            "a valid `Authorization: Bearer <admin_token>` is required",
+        );
+        p.header = Some((WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")));
+        p
+    }
+
+    /// `400 bad-request`: a malformed admin request, with what is wrong.
+    pub fn bad_request(detail: impl Into<Cow<'static, str>>) -> Self {
+        Self::new(ProblemKind::BadRequest, detail)
+    }
+
+    /// `404 not-found`: no such admin resource, with what was looked for.
+    pub fn not_found(detail: impl Into<Cow<'static, str>>) -> Self {
+        Self::new(ProblemKind::NotFound, detail)
+    }
+
+    /// `404 record-not-found`: the store holds nothing under `key`.
+    pub fn record_not_found(key: &Hash256) -> Self {
+        Self::new(
+            ProblemKind::RecordNotFound,
+            format!(
+                "no record {} (never claimed, expired, or deleted)",
+                key.to_hex()
+            ),
+        )
+    }
+
+    /// `405 method-not-allowed` with `Allow` listing the methods the resource serves.
+    pub fn method_not_allowed(allowed: &[Method]) -> Self {
+        let list = allowed
+            .iter()
+            .map(Method::as_str)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut p = Self::new(
+            ProblemKind::MethodNotAllowed,
+            format!("this resource answers {list} only"),
+        );
+        // Method names are tokens, always valid in a header value.
+        p.header = HeaderValue::from_str(&list).ok().map(|v| (ALLOW, v));
+        p
+    }
+
+    /// `503 not-ready`: readiness fails, with why.
+    pub fn not_ready(why: impl Into<Cow<'static, str>>) -> Self {
+        Self::new(ProblemKind::NotReady, why)
+    }
+
     /// The problem's kind.
     pub fn kind(&self) -> ProblemKind {
         self.kind
@@ -291,6 +400,9 @@ impl Problem {
         let mut response = Response::new(Bytes::from(body));
         *response.status_mut() = self.status;
         response.headers_mut().insert(CONTENT_TYPE, PROBLEM_JSON);
+        if let Some((name, value)) = self.header {
+            response.headers_mut().insert(name, value);
+        }
         if let Some(after) = self.retry_after {
             // Retry-After counts whole seconds; round up so a client never comes back early.
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
@@ -415,6 +527,98 @@ mod tests {
         let r = Problem::key_mismatch(StatusCode::CONFLICT).into_response();
         assert_eq!(r.status(), StatusCode::CONFLICT);
         assert_eq!(parse(&r)["status"], 409);
+    }
+
+    fn assert_problem(r: &Response<Bytes>, status: u16, slug: &str) -> serde_json::Value {
+        assert_eq!(r.status().as_u16(), status);
+        assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
+        let body = parse(r);
+        assert_eq!(body["type"], format!("urn:idemgate:problem:{slug}"));
+        assert_eq!(body["status"], status);
+        assert!(body["title"].as_str().is_some_and(|t| !t.is_empty()));
+        assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
+        body
+    }
+
+    #[test]
+    fn admin_problems() {
+        let r = Problem::unauthorized().into_response();
+        assert_problem(&r, 401, "unauthorized");
+        assert_eq!(r.headers()[WWW_AUTHENTICATE], "Bearer");
+
+        let r = Problem::bad_request("missing `route`").into_response();
+        assert_eq!(
+            assert_problem(&r, 400, "bad-request")["detail"],
+            "missing `route`"
+        );
+
+        let r = Problem::not_found("no route named \"x\"").into_response();
+        assert_problem(&r, 404, "not-found");
+
+        let key = Hash256::of(b"k");
+        let r = Problem::record_not_found(&key).into_response();
+        let body = assert_problem(&r, 404, "record-not-found");
+        assert!(body["detail"].as_str().unwrap().contains(&key.to_hex()));
+
+        let r = Problem::method_not_allowed(&[Method::GET, Method::DELETE]).into_response();
+        assert_problem(&r, 405, "method-not-allowed");
+        assert_eq!(r.headers()[ALLOW], "GET, DELETE");
+
+        let r = Problem::not_ready("shutting down").into_response();
+        assert_problem(&r, 503, "not-ready");
+        assert!(!r.headers().contains_key(RETRY_AFTER));
+
+        let r =
+            Problem::admin_store_unavailable("store down", Duration::from_secs(2)).into_response();
+        assert_eq!(
+            assert_problem(&r, 503, "store-unavailable")["detail"],
+            "store down"
+        );
+        assert_eq!(r.headers()[RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn every_kind_has_a_distinct_slug_a_title_and_an_error_status() {
+        let kinds = [
+            ProblemKind::InvalidKey,
+            ProblemKind::MissingKey,
+            ProblemKind::RequestBodyError,
+            ProblemKind::RequestTooLarge,
+            ProblemKind::KeyMismatch,
+            ProblemKind::RequestInFlight,
+            ProblemKind::ResponseNotReplayable,
+            ProblemKind::OutcomeUnknown,
+            ProblemKind::UpstreamUnreachable,
+            ProblemKind::UpstreamTimeout,
+            ProblemKind::StoreUnavailable,
+            ProblemKind::Internal,
+            ProblemKind::Unauthorized,
+            ProblemKind::BadRequest,
+            ProblemKind::NotFound,
+            ProblemKind::RecordNotFound,
+            ProblemKind::MethodNotAllowed,
+            ProblemKind::NotReady,
+        ];
+        let slugs: std::collections::HashSet<_> = kinds.iter().map(|k| k.slug()).collect();
+        assert_eq!(slugs.len(), kinds.len());
+        for kind in kinds {
+            assert!(!kind.title().is_empty(), "{kind:?}");
+            let status = kind.status();
+            assert!(
+                status.is_client_error() || status.is_server_error(),
+                "{kind:?}"
+            );
+            // The module docs and the README list every slug.
+            let row = format!("| `{}` |", kind.slug());
+            assert!(
+                include_str!("response.rs").contains(&row),
+                "{kind:?} is missing from the module docs"
+            );
+            assert!(
+                include_str!("../README.md").contains(&row),
+                "{kind:?} is missing from the README"
+            );
+        }
     }
 
     #[test]

@@ -32,6 +32,8 @@ const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Polling bounds while a `concurrent = "wait"` request waits for the first one.
 const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
 const WAIT_POLL_MAX: Duration = Duration::from_millis(200);
+/// Tries at releasing a claim whose answer was lost.
+const UNDO_ATTEMPTS: u32 = 3;
 /// Frames of an over-limit response buffered between the upstream and a slow client.
 const RELAY_FRAMES: usize = 8;
 
@@ -279,9 +281,11 @@ impl Keyed {
             Concurrent::Reject => None,
         };
         let mut poll = WAIT_POLL_MIN;
+        let token = OwnerToken::generate();
         let claim = loop {
             let claim =
-                ClaimAttempt::start(&self.shared, self.record, self.fingerprint, options).await;
+                ClaimAttempt::start(&self.shared, self.record, self.fingerprint, token, options)
+                    .await;
             if claim.is_err() {
                 self.shared.stats.count_store_error();
             }
@@ -295,6 +299,9 @@ impl Keyed {
                 other => break other,
             }
         };
+        if claim.is_err() {
+            self.undo_claim(token);
+        }
         let answer = match claim {
             Ok(Claim::Acquired(token)) => {
                 // No await between the claim and this spawn: once acquired, the claim is
@@ -365,6 +372,16 @@ impl Keyed {
             },
         };
         Ok(answer)
+    }
+
+    /// See [`undo_claim`].
+    fn undo_claim(&self, token: OwnerToken) {
+        undo_claim(
+            self.shared.store.clone(),
+            self.record,
+            token,
+            self.shared.store_timeout,
+        );
     }
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
@@ -689,25 +706,51 @@ impl<F: Future> Future for Bounded<F> {
     }
 }
 
+/// A claim whose answer was lost (a timeout, a dropped connection, a client that hung up
+/// while it was on its way) may still have landed in the store, holding the key for a request
+/// that never ran. Release it with the token it would carry: fenced, so it removes that claim
+/// and nothing else. Stores apply one caller's commands in order, so the release lands after
+/// a late claim.
+fn undo_claim(
+    store: Arc<dyn crate::store::Store>,
+    record: RecordKey,
+    token: OwnerToken,
+    timeout: Duration,
+) {
+    // Without a runtime (the caller dropped outside one) the claim lapses with its lease.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        for attempt in 0..UNDO_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(timeout).await;
+            }
+            if let Ok(Ok(_)) = tokio::time::timeout(timeout, store.release(&record, token)).await
+            {
+                return;
+            }
+        }
+        tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
+    });
+}
+
 type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
 
-/// One claim, owned so that it can outlive the request that made it.
+/// One claim, awaited in the caller's task, bounded by the store timeout.
 ///
-/// Awaited in the caller's task. If it is dropped before the store answered (the client hung
-/// up, or the store timeout passed), the store may still apply the claim; so the unfinished
-/// call is handed to a task of its own, which releases the key if the claim was acquired.
-/// Nothing was sent upstream for it, so a retry may run the request. Without a runtime to
-/// run that task, the claim's lease lapses into the route's unknown outcome instead.
+/// The deadline is set only if the store does not answer at its first poll (the memory store
+/// always does). Dropped before the store answered (the client hung up), it undoes the claim
+/// it may have made (see [`undo_claim`]); a timeout is undone by the caller, like any failed
+/// claim.
 struct ClaimAttempt {
-    /// The store call, until it answers.
+    /// The store call, until it answers or times out.
     pending: Option<ClaimFuture>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     store: Arc<dyn crate::store::Store>,
     record: RecordKey,
+    token: OwnerToken,
     timeout: Duration,
-    /// How long an abandoned claim is still waited for: past its lease, a claim that lands
-    /// late is as good as lapsed.
-    lease: Duration,
 }
 
 impl ClaimAttempt {
@@ -715,20 +758,21 @@ impl ClaimAttempt {
         shared: &Shared,
         record: RecordKey,
         fingerprint: FingerprintHash,
+        token: OwnerToken,
         options: ClaimOptions,
     ) -> Self {
         let store = Arc::clone(&shared.store);
         let claim = {
             let store = Arc::clone(&store);
-            async move { store.claim(&record, &fingerprint, &options).await }
+            async move { store.claim(&record, &fingerprint, token, &options).await }
         };
         Self {
             pending: Some(Box::pin(claim)),
             deadline: None,
             store,
             record,
+            token,
             timeout: shared.store_timeout,
-            lease: options.lease,
         }
     }
 }
@@ -750,11 +794,13 @@ impl Future for ClaimAttempt {
             .deadline
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
         match deadline.as_mut().poll(cx) {
-            // The call stays pending: dropping this attempt hands it on (see `Drop`).
-            Poll::Ready(()) => Poll::Ready(Err(StoreError::Timeout {
-                backend: this.store.backend(),
-                after: timeout,
-            })),
+            Poll::Ready(()) => {
+                this.pending = None;
+                Poll::Ready(Err(StoreError::Timeout {
+                    backend: this.store.backend(),
+                    after: timeout,
+                }))
+            }
             Poll::Pending => Poll::Pending,
         }
     }
@@ -762,28 +808,14 @@ impl Future for ClaimAttempt {
 
 impl Drop for ClaimAttempt {
     fn drop(&mut self) {
-        let Some(claim) = self.pending.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = Arc::clone(&self.store);
-        let (record, timeout, lease) = (self.record, self.timeout, self.lease);
-        runtime.spawn(async move {
-            let Ok(Ok(Claim::Acquired(token))) = tokio::time::timeout(lease, claim).await else {
-                return;
-            };
-            match tokio::time::timeout(timeout, store.release(&record, token)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(record = %record.short(), %error, "could not release a claim whose request was abandoned");
-                }
-                Err(_) => {
-                    tracing::warn!(record = %record.short(), "releasing a claim whose request was abandoned timed out");
-                }
-            }
-        });
+        if self.pending.take().is_some() {
+            undo_claim(
+                Arc::clone(&self.store),
+                self.record,
+                self.token,
+                self.timeout,
+            );
+        }
     }
 }
 
@@ -800,26 +832,63 @@ mod tests {
     use crate::store::{MemoryStore, Store};
     use crate::{IdempotencyLayer, policy::RoutePolicy};
 
-    /// A memory store whose claims take `delay` to answer (a slow network store).
-    struct SlowClaims {
+    /// A memory store behind one slow, ordered connection, like a network store: each command
+    /// takes `delay` to apply, commands apply in the order they were sent, and a command that
+    /// was sent applies even if its caller stops waiting for the answer.
+    struct SlowConnection {
         inner: MemoryStore,
         delay: Duration,
-        /// Claims the inner store has answered.
-        landed: AtomicUsize,
+        connection: Arc<tokio::sync::Mutex<()>>,
+        /// Claims the inner store has applied.
+        landed: Arc<AtomicUsize>,
+    }
+
+    impl SlowConnection {
+        fn new(delay: Duration) -> Arc<Self> {
+            Arc::new(Self {
+                inner: MemoryStore::default(),
+                delay,
+                connection: Arc::default(),
+                landed: Arc::default(),
+            })
+        }
+
+        /// Sends `command` down the connection; it applies after the commands sent before it.
+        async fn send<T: Send + 'static>(
+            &self,
+            command: impl Future<Output = T> + Send + 'static,
+        ) -> Result<T, StoreError> {
+            let turn = Arc::clone(&self.connection).lock_owned().await;
+            let delay = self.delay;
+            let applied = tokio::spawn(async move {
+                let _turn = turn;
+                tokio::time::sleep(delay).await;
+                command.await
+            });
+            applied.await.map_err(|error| StoreError::Unavailable {
+                backend: "slow",
+                source: Box::new(error),
+            })
+        }
     }
 
     #[async_trait]
-    impl Store for SlowClaims {
+    impl Store for SlowConnection {
         async fn claim(
             &self,
             key: &RecordKey,
             fingerprint: &FingerprintHash,
+            token: OwnerToken,
             options: &ClaimOptions,
         ) -> Result<Claim, StoreError> {
-            tokio::time::sleep(self.delay).await;
-            let claim = self.inner.claim(key, fingerprint, options).await;
-            self.landed.fetch_add(1, Ordering::SeqCst);
-            claim
+            let (inner, landed) = (self.inner.clone(), Arc::clone(&self.landed));
+            let (key, fingerprint, options) = (*key, *fingerprint, *options);
+            self.send(async move {
+                let claim = inner.claim(&key, &fingerprint, token, &options).await;
+                landed.fetch_add(1, Ordering::SeqCst);
+                claim
+            })
+            .await?
         }
         async fn complete(
             &self,
@@ -835,7 +904,9 @@ mod tests {
             key: &RecordKey,
             token: OwnerToken,
         ) -> Result<Transition, StoreError> {
-            self.inner.release(key, token).await
+            let (inner, key) = (self.inner.clone(), *key);
+            self.send(async move { inner.release(&key, token).await })
+                .await?
         }
         async fn renew(
             &self,
@@ -880,7 +951,7 @@ mod tests {
         crate::fingerprint::record_key("default", &[header::AUTHORIZATION], &HeaderMap::new(), "k")
     }
 
-    /// Sends a keyed request through the layer; returns how often the upstream ran.
+    /// The layer over `store` around an upstream that counts its calls.
     fn service(
         store: Arc<dyn Store>,
         store_timeout: Duration,
@@ -902,7 +973,7 @@ mod tests {
     }
 
     /// Waits for the slow claim to land, then for its record to be gone.
-    async fn landed_then_released(store: &SlowClaims) -> bool {
+    async fn landed_then_released(store: &SlowConnection) -> bool {
         for _ in 0..200 {
             let landed = store.landed.load(Ordering::SeqCst) == 1;
             if landed && store.inner.get(&record()).await.ok().flatten().is_none() {
@@ -914,19 +985,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_claim_abandoned_by_its_client_is_released_once_it_lands() {
-        let store = Arc::new(SlowClaims {
-            inner: MemoryStore::default(),
-            delay: Duration::from_millis(50),
-            landed: AtomicUsize::new(0),
-        });
+    async fn a_claim_abandoned_by_its_client_is_undone() {
+        let store = SlowConnection::new(Duration::from_millis(50));
         let calls = Arc::new(AtomicUsize::new(0));
         let svc = service(store.clone(), Duration::from_secs(2), calls.clone());
-        // The client hangs up while the claim is still on its way to the store.
+        // The client hangs up while the claim is on its way to the store.
         let gave_up =
             tokio::time::timeout(Duration::from_millis(10), svc.oneshot(keyed_post())).await;
         assert!(gave_up.is_err());
-        // The claim lands after the client left; it is released, never left in flight.
+        // The claim lands after the client left; it is undone, never left in flight.
         assert!(
             landed_then_released(&store).await,
             "the claim was left behind"
@@ -935,12 +1002,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_claim_that_outlives_the_store_timeout_is_released_once_it_lands() {
-        let store = Arc::new(SlowClaims {
-            inner: MemoryStore::default(),
-            delay: Duration::from_millis(50),
-            landed: AtomicUsize::new(0),
-        });
+    async fn a_claim_that_outlives_the_store_timeout_is_undone() {
+        let store = SlowConnection::new(Duration::from_millis(50));
         let calls = Arc::new(AtomicUsize::new(0));
         let svc = service(store.clone(), Duration::from_millis(10), calls.clone());
         let response = svc.oneshot(keyed_post()).await.unwrap();

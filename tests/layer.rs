@@ -593,6 +593,7 @@ impl Store for BrokenStore {
         &self,
         _: &RecordKey,
         _: &idemgate::record::FingerprintHash,
+        _: OwnerToken,
         _: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
         self.fail().await
@@ -706,7 +707,10 @@ async fn lapsed_lease_under_api_becomes_ambiguous() {
         on_lapse: UnknownOutcome::Ambiguous,
     };
     assert!(matches!(
-        store.claim(&record, &fp, &options).await.unwrap(),
+        store
+            .claim(&record, &fp, OwnerToken::generate(), &options)
+            .await
+            .unwrap(),
         Claim::Acquired(_)
     ));
     tokio::time::sleep(Duration::from_millis(120)).await;
@@ -788,4 +792,98 @@ async fn wait_for_calls(up: &Upstream, n: usize) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("upstream never reached {n} calls");
+}
+
+/// A store whose claims land but whose answers are lost while `lose_answers` is set, as when
+/// a store times out after applying the command.
+struct LostAnswerStore {
+    inner: MemoryStore,
+    lose_answers: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Store for LostAnswerStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fp: &idemgate::record::FingerprintHash,
+        token: OwnerToken,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim(key, fp, token, options).await;
+        if self.lose_answers.load(Ordering::SeqCst) {
+            return Err(StoreError::Timeout {
+                backend: "lost",
+                after: Duration::from_millis(1),
+            });
+        }
+        claim
+    }
+    async fn complete(
+        &self,
+        k: &RecordKey,
+        t: OwnerToken,
+        c: idemgate::record::Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.inner.complete(k, t, c, ttl).await
+    }
+    async fn release(&self, k: &RecordKey, t: OwnerToken) -> Result<Transition, StoreError> {
+        self.inner.release(k, t).await
+    }
+    async fn renew(
+        &self,
+        k: &RecordKey,
+        t: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.inner.renew(k, t, lease).await
+    }
+    async fn mark_ambiguous(
+        &self,
+        k: &RecordKey,
+        t: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.inner.mark_ambiguous(k, t, ttl).await
+    }
+    async fn get(&self, k: &RecordKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(k).await
+    }
+    async fn delete(&self, k: &RecordKey) -> Result<bool, StoreError> {
+        self.inner.delete(k).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+    fn backend(&self) -> &'static str {
+        "lost"
+    }
+}
+
+#[tokio::test]
+async fn a_claim_whose_answer_was_lost_is_undone_so_the_retry_runs() {
+    let store = Arc::new(LostAnswerStore {
+        inner: MemoryStore::default(),
+        lose_answers: std::sync::atomic::AtomicBool::new(true),
+    });
+    let layer = IdempotencyLayer::new(store.clone());
+    let up = Arc::new(Upstream::default());
+    let refused = send(&layer, &up, post(Some("k"), "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(up.calls(), 0);
+    store.lose_answers.store(false, Ordering::SeqCst);
+    // The 503 said nothing was forwarded; the retry must run, not find a phantom claim.
+    let mut retry = None;
+    for _ in 0..100 {
+        let r = send(&layer, &up, post(Some("k"), "{}")).await;
+        if r.decision != Decision::InFlight {
+            retry = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = retry.expect("the lost claim was never undone");
+    assert_eq!(retry.decision, Decision::Executed);
+    assert_eq!(up.calls(), 1);
 }

@@ -380,9 +380,7 @@ async fn fifty_concurrent_requests_with_one_key_execute_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
     let s = setup().await;
-    let request = format!(
-        "POST /hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-hang\r\nX-Delay-Ms: 500\r\nContent-Length: 4\r\n\r\nbody"
-    );
+    let request = "POST /hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-hang\r\nX-Delay-Ms: 500\r\nContent-Length: 4\r\n\r\nbody";
     {
         let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
         tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
@@ -498,6 +496,71 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
     assert_eq!(upstream.hits("/drain"), 1);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
+    let upstream = TestUpstream::start().await;
+    // Nothing listens there: every store call fails.
+    let store = format!("redis://{}", free_addr());
+    let dir = TempDir::new();
+    let closed = dir.write("closed.toml", "store_timeout = \"500ms\"\n");
+    let gw = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--store",
+        &store,
+        "--config",
+        closed.to_str().unwrap(),
+        "--admin-token",
+        TOKEN,
+    ]);
+    let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.problem_type(), "urn:idemgate:problem:store-unavailable");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(
+        upstream.hits("/pay"),
+        0,
+        "nothing is forwarded when failing closed"
+    );
+    let ready = admin_get(&gw, "/readyz", &[]).await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.problem_type(), "urn:idemgate:problem:not-ready");
+    let auth = ("authorization", &*format!("Bearer {TOKEN}"));
+    let lookup = admin_get(&gw, "/keys?route=default&key=k-store", &[auth]).await;
+    assert_eq!(lookup.status, 503);
+    assert_eq!(
+        lookup.problem_type(),
+        "urn:idemgate:problem:store-unavailable"
+    );
+    assert!(lookup.headers.contains_key("retry-after"));
+    assert!(
+        send("GET", &gw.url("/pay"), &[], "").await.status == 201,
+        "requests that take no part still pass"
+    );
+    drop(gw);
+
+    let open = dir.write(
+        "open.toml",
+        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
+    );
+    let gw = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--store",
+        &store,
+        "--config",
+        open.to_str().unwrap(),
+    ]);
+    let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
+    assert_eq!(r.status, 201, "forwarded unprotected");
+    assert_eq!(upstream.hits("/pay"), 2);
+    let metrics = admin_get(&gw, "/metrics", &[]).await.text();
+    assert!(
+        metrics.contains("idemgate_unprotected_passes_total 1\n"),
+        "{metrics}"
+    );
+}
+
 // ---- the wire -----------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]
@@ -585,6 +648,29 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn responses_use_the_clients_http_version() {
+    // An upstream that answers in HTTP/1.0, as some small servers do.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.0 201 Created\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    let gw = Gateway::start(&["--upstream", &format!("http://{addr}"), "--store", "memory"]);
+    let response = raw(gw.addr, b"POST /v HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-v\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").await;
+    assert!(response.starts_with("HTTP/1.1 201"), "{response}");
+    upstream.abort();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn h2c_clients_are_served() {
     let s = setup().await;
     let first = send_h2c("POST", &s.gw.url("/h2"), &[key("k-h2")], "x").await;
@@ -656,6 +742,8 @@ async fn admin_health_readiness_metrics_and_token() {
     // Record endpoints: a token is required and checked.
     let none = admin_get(&s.gw, "/keys?route=default&key=k-m", &[]).await;
     assert_eq!(none.status, 401);
+    assert_eq!(none.problem_type(), "urn:idemgate:problem:unauthorized");
+    assert_eq!(none.headers["www-authenticate"], "Bearer");
     let wrong = admin_get(
         &s.gw,
         "/keys?route=default&key=k-m",
@@ -663,6 +751,8 @@ async fn admin_health_readiness_metrics_and_token() {
     )
     .await;
     assert_eq!(wrong.status, 401);
+    assert_eq!(wrong.problem_type(), "urn:idemgate:problem:unauthorized");
+    assert_eq!(wrong.headers["www-authenticate"], "Bearer");
     let auth = ("authorization", &*format!("Bearer {TOKEN}"));
     let ok = admin_get(&s.gw, "/keys?route=default&key=k-m", &[auth]).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
@@ -675,8 +765,60 @@ async fn admin_health_readiness_metrics_and_token() {
     )
     .await;
     assert_eq!(scoped.status, 404, "another caller's scope holds no record");
+    assert_eq!(
+        scoped.problem_type(),
+        "urn:idemgate:problem:record-not-found"
+    );
     let unknown_route = admin_get(&s.gw, "/keys?route=nope&key=k-m", &[auth]).await;
     assert_eq!(unknown_route.status, 404);
+    assert_eq!(
+        unknown_route.problem_type(),
+        "urn:idemgate:problem:not-found"
+    );
+    assert!(
+        unknown_route.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("nope")),
+        "{}",
+        unknown_route.text()
+    );
+
+    // Malformed queries, unknown paths and wrong methods: problem responses too.
+    for bad in ["/records/not-hex", "/keys?key=k-m", "/keys?route=default"] {
+        let r = admin_get(&s.gw, bad, &[auth]).await;
+        assert_eq!(r.status, 400, "{bad}");
+        assert_eq!(
+            r.problem_type(),
+            "urn:idemgate:problem:bad-request",
+            "{bad}"
+        );
+    }
+    let nowhere = admin_get(&s.gw, "/nowhere", &[]).await;
+    assert_eq!(nowhere.status, 404);
+    assert_eq!(nowhere.problem_type(), "urn:idemgate:problem:not-found");
+    let admin = s.gw.admin;
+    let post = send("POST", &format!("http://{admin}/metrics"), &[], "").await;
+    assert_eq!(post.status, 405);
+    assert_eq!(
+        post.problem_type(),
+        "urn:idemgate:problem:method-not-allowed"
+    );
+    assert_eq!(post.headers["allow"], "GET");
+    let put = send(
+        "PUT",
+        &format!("http://{admin}/keys?route=default&key=k-m"),
+        &[auth],
+        "",
+    )
+    .await;
+    assert_eq!(put.status, 405);
+    assert_eq!(put.headers["allow"], "GET, DELETE");
+
+    // The successful answers stay plain.
+    let health = admin_get(&s.gw, "/healthz", &[]).await;
+    assert_eq!(health.headers["content-type"], "text/plain; charset=utf-8");
+    assert_eq!(health.text(), "ok\n");
+    assert_eq!(ok.headers["content-type"], "application/json");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -690,7 +832,14 @@ async fn record_endpoints_are_off_without_a_token() {
     )
     .await;
     assert_eq!(r.status, 404);
-    assert!(r.text().contains("admin_token"), "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idemgate:problem:not-found");
+    assert!(
+        r.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("admin_token")),
+        "{}",
+        r.text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

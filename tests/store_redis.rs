@@ -51,9 +51,10 @@ impl Store for ServerBackedStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        self.store.claim(key, fingerprint, options).await
+        self.store.claim(key, fingerprint, token, options).await
     }
 
     async fn complete(
@@ -167,7 +168,12 @@ async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
 
 async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
     match store
-        .claim(&key(name), &fingerprint(name), &options())
+        .claim(
+            &key(name),
+            &fingerprint(name),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
     {
         Ok(Claim::Acquired(token)) => token,
@@ -240,7 +246,12 @@ async fn every_transition_survives_script_flush() {
         Transition::Applied
     );
     let replay = store
-        .claim(&key("a"), &fingerprint("a"), &options())
+        .claim(
+            &key("a"),
+            &fingerprint("a"),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
         .unwrap();
     assert_eq!(replay, Claim::Completed(Arc::new(response(b"done"))));
@@ -296,7 +307,7 @@ async fn killed_server_fails_every_call_within_the_timeout() {
             assert!(took < bound, "{} took {took:?}", stringify!($call));
         }};
     }
-    fails_in_time!(store.claim(&k, &fp, &options()));
+    fails_in_time!(store.claim(&k, &fp, OwnerToken::generate(), &options()));
     fails_in_time!(store.complete(&k, token, response(b"x"), ttl));
     fails_in_time!(store.release(&k, token));
     fails_in_time!(store.renew(&k, token, ttl));
@@ -315,7 +326,12 @@ async fn hung_server_times_out_and_the_store_recovers_when_it_thaws() {
     server.pause();
     let started = Instant::now();
     let err = store
-        .claim(&key("during"), &fingerprint("during"), &options())
+        .claim(
+            &key("during"),
+            &fingerprint("during"),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
         .expect_err("a frozen server cannot answer");
     assert!(started.elapsed() < FAULT_TIMEOUT * 5);
@@ -334,7 +350,12 @@ async fn hung_server_times_out_and_the_store_recovers_when_it_thaws() {
     // The claim sent while frozen may have run once Redis thawed, or not; either way the
     // store answers about the key consistently.
     let again = store
-        .claim(&key("during"), &fingerprint("during"), &options())
+        .claim(
+            &key("during"),
+            &fingerprint("during"),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
         .unwrap();
     assert!(
@@ -527,7 +548,12 @@ async fn bodies_are_stored_as_raw_bytes() {
         "{stored}"
     );
     let replay = store
-        .claim(&key("big"), &fingerprint("big"), &options())
+        .claim(
+            &key("big"),
+            &fingerprint("big"),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
         .unwrap();
     assert_eq!(replay, Claim::Completed(Arc::new(response(&body))));
@@ -544,7 +570,12 @@ async fn renew_keeps_a_short_lived_record_alive_for_the_new_lease() {
         on_lapse: UnknownOutcome::Ambiguous,
     };
     let token = match store
-        .claim(&key("short"), &fingerprint("short"), &opts)
+        .claim(
+            &key("short"),
+            &fingerprint("short"),
+            OwnerToken::generate(),
+            &opts,
+        )
         .await
         .unwrap()
     {
@@ -589,7 +620,12 @@ async fn gateways_sharing_one_redis_never_both_acquire() {
             let name = name.clone();
             tasks.spawn(async move {
                 store
-                    .claim(&key(&name), &fingerprint(&name), &options())
+                    .claim(
+                        &key(&name),
+                        &fingerprint(&name),
+                        OwnerToken::generate(),
+                        &options(),
+                    )
                     .await
                     .expect("claim")
             });
@@ -624,7 +660,12 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .unwrap();
     assert!(matches!(
         store
-            .claim(&key("odd"), &fingerprint("odd"), &options())
+            .claim(
+                &key("odd"),
+                &fingerprint("odd"),
+                OwnerToken::generate(),
+                &options()
+            )
             .await,
         Err(StoreError::Corrupt {
             backend: "redis",
@@ -655,7 +696,12 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .unwrap();
     assert!(matches!(
         store
-            .claim(&key("bad-body"), &fingerprint("bad-body"), &options())
+            .claim(
+                &key("bad-body"),
+                &fingerprint("bad-body"),
+                OwnerToken::generate(),
+                &options()
+            )
             .await,
         Err(StoreError::Corrupt { .. })
     ));
@@ -669,7 +715,12 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .await
         .unwrap();
     let err = store
-        .claim(&key("string"), &fingerprint("string"), &options())
+        .claim(
+            &key("string"),
+            &fingerprint("string"),
+            OwnerToken::generate(),
+            &options(),
+        )
         .await
         .expect_err("WRONGTYPE");
     let StoreError::Unavailable {

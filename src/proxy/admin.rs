@@ -4,13 +4,17 @@
 //! | path | method | answer |
 //! | --- | --- | --- |
 //! | `/healthz` | GET | `200` while the process runs |
-//! | `/readyz` | GET | `200` when the store answers a ping within `store_timeout`; `503` otherwise or while shutting down |
+//! | `/readyz` | GET | `200` when the store answers a ping within `store_timeout`; `503 not-ready` otherwise or while shutting down |
 //! | `/metrics` | GET | Prometheus text |
-//! | `/records/{hex}` | GET, DELETE | the record under that record key (the hash the gateway logs as `record`) |
+//! | `/records/{hex}` | GET, DELETE | the record under that record key (64 hex digits, as `/keys` returns it; logs show its first 16) |
 //! | `/keys?route=NAME&key=KEY[&HEADER=VALUE…]` | GET, DELETE | the record a client's key maps to; every other query parameter is the value of one of the route's scope headers (`authorization=Bearer%20…`) |
 //!
 //! The record endpoints need `Authorization: Bearer <admin_token>`; with no token configured
 //! they answer `404` and say how to enable them.
+//!
+//! Every error the listener answers is a problem response from [`crate::response`]
+//! (`unauthorized`, `bad-request`, `not-found`, `record-not-found`, `method-not-allowed`,
+//! `not-ready`, `store-unavailable`); the successful answers are plain text or JSON.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use serde_json::json;
@@ -27,7 +31,13 @@ use super::metrics::{LayerCounters, Metrics};
 use crate::LayerStats;
 use crate::policy::RoutePolicy;
 use crate::record::{Completion, Hash256, Record, RecordKey, unix_millis};
-use crate::store::Store;
+use crate::response::Problem;
+use crate::store::{Store, StoreError};
+
+/// The methods the read-only endpoints serve.
+const READ_ONLY: &[Method] = &[Method::GET];
+/// The methods the record endpoints serve.
+const RECORD_METHODS: &[Method] = &[Method::GET, Method::DELETE];
 
 /// What the admin endpoints read.
 pub struct AdminState {
@@ -57,32 +67,31 @@ pub async fn handle<B>(
 ) -> Result<Response<AdminBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let response = match (req.method(), path.as_str()) {
-        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/healthz") => text("ok\n"),
         (&Method::GET, "/readyz") => readyz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state),
-        (method, "/keys") if is_record_method(method) => match authorize(&state, req.headers()) {
-            Ok(()) => by_key(&state, method, req.uri().query().unwrap_or("")).await,
-            Err(denied) => denied,
+        (method, "/keys") if is_record_method(method) => match refusal(&state, req.headers()) {
+            None => by_key(&state, method, req.uri().query().unwrap_or("")).await,
+            Some(denied) => denied,
         },
         (method, p) if p.starts_with("/records/") && is_record_method(method) => {
-            match authorize(&state, req.headers()) {
-                Ok(()) => match Hash256::from_hex(&p["/records/".len()..]) {
+            match refusal(&state, req.headers()) {
+                None => match Hash256::from_hex(&p["/records/".len()..]) {
                     Some(key) => record(&state, method, key).await,
-                    None => text(
-                        StatusCode::BAD_REQUEST,
-                        "the record key must be 64 hex digits (the `record` field of the gateway's log line)\n",
-                    ),
+                    None => problem(Problem::bad_request(
+                        "the record key must be 64 hex digits (the `record` field /keys returns)",
+                    )),
                 },
-                Err(denied) => denied,
+                Some(denied) => denied,
             }
         }
-        (_, "/healthz" | "/readyz" | "/metrics" | "/keys") => {
-            text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
+        (_, "/healthz" | "/readyz" | "/metrics") => problem(Problem::method_not_allowed(READ_ONLY)),
+        (_, p) if p == "/keys" || p.starts_with("/records/") => {
+            problem(Problem::method_not_allowed(RECORD_METHODS))
         }
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found; see /healthz, /readyz, /metrics, /records/{hex}, /keys\n",
-        ),
+        _ => problem(Problem::not_found(
+            "no such admin resource; see /healthz, /readyz, /metrics, /records/{hex}, /keys",
+        )),
     };
     Ok(response)
 }
@@ -93,22 +102,16 @@ fn is_record_method(method: &Method) -> bool {
 
 async fn readyz(state: &AdminState) -> Response<AdminBody> {
     if state.draining.load(Ordering::Relaxed) {
-        return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+        return problem(Problem::not_ready(
+            "shutting down: open requests are draining and no new ones should be sent here",
+        ));
     }
-    match tokio::time::timeout(state.store_timeout, state.store.ping()).await {
-        Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
-        Ok(Err(error)) => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("store unavailable: {error}\n"),
-        ),
-        Err(_) => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "store did not answer within {} ms\n",
-                state.store_timeout.as_millis()
-            ),
-        ),
-    }
+    let why = match tokio::time::timeout(state.store_timeout, state.store.ping()).await {
+        Ok(Ok(())) => return text("ready\n"),
+        Ok(Err(error)) => store_failure(state, Some(&error)),
+        Err(_) => store_failure(state, None),
+    };
+    problem(Problem::not_ready(why))
 }
 
 fn metrics(state: &AdminState) -> Response<AdminBody> {
@@ -126,12 +129,12 @@ fn metrics(state: &AdminState) -> Response<AdminBody> {
     response
 }
 
-fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), Response<AdminBody>> {
+/// The answer for a request that may not use the record endpoints, or `None` when it may.
+fn refusal(state: &AdminState, headers: &HeaderMap) -> Option<Response<AdminBody>> {
     let Some(token) = &state.token else {
-        return Err(text(
-            StatusCode::NOT_FOUND,
-            "the record endpoints are disabled: set admin_token (or admin_token_env) in the config to enable them\n",
-        ));
+        return Some(problem(Problem::not_found(
+            "the record endpoints are disabled: set admin_token (or admin_token_env) in the config to enable them",
+        )));
     };
     let presented = headers
         .get(AUTHORIZATION)
@@ -139,17 +142,8 @@ fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), Response<Adm
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     match presented {
-        Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => Ok(()),
-        _ => {
-            let mut response = text(
-                StatusCode::UNAUTHORIZED,
-                "a valid `Authorization: Bearer <admin_token>` is required\n",
-            );
-            response
-                .headers_mut()
-                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            Err(response)
-        }
+        Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => None,
+        _ => Some(problem(Problem::unauthorized())),
     }
 }
 
@@ -169,10 +163,9 @@ async fn by_key(state: &AdminState, method: &Method, query: &str) -> Response<Ad
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         let (Some(name), Some(value)) = (percent_decode(name), percent_decode(value)) else {
-            return text(
-                StatusCode::BAD_REQUEST,
-                "the query is not valid percent-encoding\n",
-            );
+            return problem(Problem::bad_request(
+                "the query is not valid percent-encoding",
+            ));
         };
         match name.as_str() {
             "route" => route = Some(value),
@@ -183,45 +176,38 @@ async fn by_key(state: &AdminState, method: &Method, query: &str) -> Response<Ad
                     HeaderValue::from_str(&value),
                 );
                 let (Ok(header), Ok(value)) = parsed else {
-                    return text(
-                        StatusCode::BAD_REQUEST,
-                        format!("{header:?} is not a header name and value\n"),
-                    );
+                    return problem(Problem::bad_request(format!(
+                        "{header:?} is not a header name and value"
+                    )));
                 };
                 scope.push((header, value));
             }
         }
     }
     let Some(route_name) = route else {
-        return text(
-            StatusCode::BAD_REQUEST,
-            "missing `route` (the route's name, `default` for unmatched paths)\n",
-        );
+        return problem(Problem::bad_request(
+            "missing `route` (the route's name, `default` for unmatched paths)",
+        ));
     };
     let Some(key) = key else {
-        return text(
-            StatusCode::BAD_REQUEST,
-            "missing `key` (the client's idempotency key)\n",
-        );
+        return problem(Problem::bad_request(
+            "missing `key` (the client's idempotency key)",
+        ));
     };
     let Some(policy) = state.routes.iter().find(|p| p.route_name() == route_name) else {
         let names: Vec<&str> = state.routes.iter().map(RoutePolicy::route_name).collect();
-        return text(
-            StatusCode::NOT_FOUND,
-            format!("no route named {route_name:?}; routes: {names:?}\n"),
-        );
+        return problem(Problem::not_found(format!(
+            "no route named {route_name:?}; routes: {names:?}"
+        )));
     };
     if let Some((extra, _)) = scope
         .iter()
         .find(|(h, _)| !policy.scope_headers.contains(h))
     {
-        return text(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "{extra} is not one of route {route_name:?}'s scope headers {:?}\n",
-                policy.scope_headers
-            ),
-        );
+        return problem(Problem::bad_request(format!(
+            "{extra} is not one of route {route_name:?}'s scope headers {:?}",
+            policy.scope_headers
+        )));
     }
     let mut scope_headers = HeaderMap::new();
     for (name, value) in scope {
@@ -229,10 +215,9 @@ async fn by_key(state: &AdminState, method: &Method, query: &str) -> Response<Ad
     }
     match record_key_for(policy, &scope_headers, &key) {
         Some(record_key) => record(state, method, record_key).await,
-        None => text(
-            StatusCode::BAD_REQUEST,
-            "the key is not a valid idempotency key\n",
-        ),
+        None => problem(Problem::bad_request(
+            "the key is not a valid idempotency key (1 to 255 visible ASCII characters)",
+        )),
     }
 }
 
@@ -261,21 +246,15 @@ async fn record(state: &AdminState, method: &Method, key: RecordKey) -> Response
         }
     };
     match tokio::time::timeout(state.store_timeout, call).await {
-        Err(_) => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "store did not answer within {} ms\n",
-                state.store_timeout.as_millis()
-            ),
-        ),
-        Ok(Err(error)) => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("store unavailable: {error}\n"),
-        ),
-        Ok(Ok(None)) => text(
-            StatusCode::NOT_FOUND,
-            format!("no record {}\n", key.to_hex()),
-        ),
+        Err(_) => problem(Problem::admin_store_unavailable(
+            store_failure(state, None),
+            state.store_timeout,
+        )),
+        Ok(Err(error)) => problem(Problem::admin_store_unavailable(
+            store_failure(state, Some(&error)),
+            state.store_timeout,
+        )),
+        Ok(Ok(None)) => problem(Problem::record_not_found(&key)),
         Ok(Ok(Some(None))) => {
             tracing::info!(record = %key.short(), "record deleted by operator");
             let mut response = Response::new(Full::new(Bytes::new()));
@@ -349,14 +328,29 @@ fn json_response(value: serde_json::Value) -> Response<AdminBody> {
     response
 }
 
-fn text(status: StatusCode, body: impl Into<String>) -> Response<AdminBody> {
-    let mut response = Response::new(Full::new(Bytes::from(body.into())));
-    *response.status_mut() = status;
+/// A `200` plain-text answer.
+fn text(body: &'static str) -> Response<AdminBody> {
+    let mut response = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
     response.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+fn problem(problem: Problem) -> Response<AdminBody> {
+    problem.into_response().map(Full::new)
+}
+
+/// Why a store call failed: its error, or `None` when it did not answer in time.
+fn store_failure(state: &AdminState, error: Option<&StoreError>) -> String {
+    match error {
+        Some(error) => format!("the store failed: {}", super::error_chain(error)),
+        None => format!(
+            "the store did not answer within {} ms",
+            state.store_timeout.as_millis()
+        ),
+    }
 }
 
 /// Decodes `%XX` escapes and `+` (as a space) in a query component.
@@ -390,6 +384,128 @@ mod tests {
         assert_eq!(percent_decode("a+b%2Fc").as_deref(), Some("a b/c"));
         assert_eq!(percent_decode("%zz"), None);
         assert_eq!(percent_decode("%4"), None);
+    }
+
+    const TOKEN: &str = "admin-token-0123456789";
+
+    fn state(token: Option<&str>, draining: bool) -> Arc<AdminState> {
+        Arc::new(AdminState {
+            store: Arc::new(crate::store::MemoryStore::default()),
+            store_timeout: Duration::from_secs(1),
+            metrics: Metrics::new(),
+            stats: Arc::new(LayerStats::default()),
+            token: token.map(str::to_owned),
+            routes: vec![RoutePolicy::default()],
+            draining: Arc::new(AtomicBool::new(draining)),
+        })
+    }
+
+    async fn call(
+        state: &Arc<AdminState>,
+        method: Method,
+        uri: &str,
+        token: Option<&str>,
+    ) -> Response<AdminBody> {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(token) = token {
+            req = req.header(AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let Ok(response) = handle(Arc::clone(state), req.body(()).unwrap()).await;
+        response
+    }
+
+    /// The problem's `type` slug, after checking the response is a problem response.
+    async fn slug(response: Response<AdminBody>) -> String {
+        use http_body_util::BodyExt;
+        assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["status"], status);
+        body["type"]
+            .as_str()
+            .and_then(|t| t.strip_prefix("urn:idemgate:problem:"))
+            .unwrap()
+            .to_owned()
+    }
+
+    #[tokio::test]
+    async fn admin_errors_are_problem_responses() {
+        let s = state(Some(TOKEN), false);
+        let t = Some(TOKEN);
+
+        let ok = call(&s, Method::GET, "/healthz", None).await;
+        assert_eq!(ok.status(), StatusCode::OK);
+        assert_eq!(ok.headers()[CONTENT_TYPE], "text/plain; charset=utf-8");
+
+        let r = call(&s, Method::GET, "/nowhere", None).await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        assert_eq!(slug(r).await, "not-found");
+
+        let r = call(&s, Method::POST, "/healthz", None).await;
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(r.headers()[http::header::ALLOW], "GET");
+        assert_eq!(slug(r).await, "method-not-allowed");
+
+        let r = call(&s, Method::PUT, &format!("/records/{}", "0".repeat(64)), t).await;
+        assert_eq!(r.headers()[http::header::ALLOW], "GET, DELETE");
+        assert_eq!(slug(r).await, "method-not-allowed");
+
+        let r = call(&s, Method::GET, "/records/zz", None).await;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(r.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
+        assert_eq!(slug(r).await, "unauthorized");
+
+        let r = call(
+            &s,
+            Method::GET,
+            "/records/zz",
+            Some("wrong-token-0123456789"),
+        )
+        .await;
+        assert_eq!(slug(r).await, "unauthorized");
+
+        for bad in [
+            "/records/zz",
+            "/keys?route=default",
+            "/keys?key=k",
+            "/keys?route=default&key=%zz",
+            "/keys?route=default&key=k&x-not-scope=1",
+            "/keys?route=default&key=%20",
+        ] {
+            let r = call(&s, Method::GET, bad, t).await;
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{bad}");
+            assert_eq!(slug(r).await, "bad-request", "{bad}");
+        }
+
+        let r = call(&s, Method::GET, "/keys?route=nope&key=k", t).await;
+        assert_eq!(slug(r).await, "not-found");
+
+        for (method, uri) in [
+            (Method::GET, "/keys?route=default&key=k".to_owned()),
+            (Method::DELETE, format!("/records/{}", "ab".repeat(32))),
+        ] {
+            let r = call(&s, method, &uri, t).await;
+            assert_eq!(r.status(), StatusCode::NOT_FOUND, "{uri}");
+            assert_eq!(slug(r).await, "record-not-found", "{uri}");
+        }
+    }
+
+    #[tokio::test]
+    async fn record_endpoints_without_a_token_are_not_found() {
+        let s = state(None, false);
+        let r = call(&s, Method::GET, "/keys?route=default&key=k", Some(TOKEN)).await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        assert_eq!(slug(r).await, "not-found");
+    }
+
+    #[tokio::test]
+    async fn readiness_fails_while_draining() {
+        let ready = call(&state(None, false), Method::GET, "/readyz", None).await;
+        assert_eq!(ready.status(), StatusCode::OK);
+        let r = call(&state(None, true), Method::GET, "/readyz", None).await;
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(slug(r).await, "not-ready");
     }
 
     #[test]

@@ -131,6 +131,7 @@ where
 {
     let (mut parts, body) = req.into_parts();
     let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.0.ip());
+    let client_version = parts.version;
     let original_host = original_host(&parts.headers, &parts.uri);
     let Some(uri) = upstream_uri(&shared.upstream, &parts.uri) else {
         // Only a target that cannot be joined to the base URL gets here; nothing was sent.
@@ -149,6 +150,9 @@ where
             shared.metrics.observe_upstream(started.elapsed());
             let (mut parts, body) = response.into_parts();
             prepare_response_headers(&mut parts.headers);
+            // Answer in the client's protocol version, whatever the upstream spoke (an
+            // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
+            parts.version = client_version;
             Response::from_parts(parts, ProxyBody::upstream(body))
         }
         Ok(Err(error)) => {

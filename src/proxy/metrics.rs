@@ -199,7 +199,7 @@ impl Metrics {
         self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a client connection opened (`+1`) or closed (`-1`).
+    /// Counts a client connection opened.
     pub fn connection_opened(&self) {
         self.open_connections.fetch_add(1, Ordering::Relaxed);
     }
@@ -404,10 +404,14 @@ impl Store for InstrumentedStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        self.timed(StoreOp::Claim, self.inner.claim(key, fingerprint, options))
-            .await
+        self.timed(
+            StoreOp::Claim,
+            self.inner.claim(key, fingerprint, token, options),
+        )
+        .await
     }
 
     async fn complete(

@@ -114,8 +114,8 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     // On one core (a small container, or a process pinned with taskset) a single-threaded
-    // runtime serves the same load with fewer thread wake-ups: in the load benchmark it
-    // used about a fifth less CPU per request than a one-worker multi-threaded runtime.
+    // runtime serves the same load with fewer thread wake-ups: in the load benchmark it used
+    // about a fifth less CPU per request than a one-worker multi-threaded runtime.
     let one_core = std::thread::available_parallelism().is_ok_and(|n| n.get() == 1);
     let runtime = if one_core {
         tokio::runtime::Builder::new_current_thread()
@@ -133,7 +133,7 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(server::run(settings, shutdown_signal())) {
+    match runtime.block_on(async { server::run(settings, shutdown_signal()).await }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!(error = %error_chain(&error), "idemgate could not start");
@@ -143,35 +143,42 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Resolves on the first SIGTERM or SIGINT. The handlers are installed when this is called
+/// (inside a Tokio runtime), not when the future is first polled, so a signal that arrives
+/// while the gateway is still starting is not lost to the default action.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match (
+        let handlers = (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
-        ) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM received"),
-                    _ = int.recv() => tracing::info!("SIGINT received"),
+        );
+        async move {
+            match handlers {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM received"),
+                        _ = int.recv() => tracing::info!("SIGINT received"),
+                    }
                 }
-            }
-            _ => {
-                tracing::warn!("cannot install signal handlers; falling back to Ctrl-C only");
-                let _ = tokio::signal::ctrl_c().await;
+                _ => {
+                    tracing::warn!("cannot install signal handlers; falling back to Ctrl-C only");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
 /// An error and its causes on one line.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -74,33 +74,61 @@ pub enum RunError {
     },
 }
 
-/// Opens the configured store.
-pub async fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, RunError> {
+/// Opens the configured store. A Redis store that does not answer yet is logged and used
+/// anyway; `store_timeout` bounds that first ping.
+pub async fn open_store(
+    spec: &StoreSpec,
+    // Only the Redis store is pinged at start.
+    #[cfg_attr(not(feature = "redis"), expect(unused_variables))] store_timeout: Duration,
+) -> Result<Arc<dyn Store>, RunError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(crate::store::MemoryStore::default())),
         #[cfg(feature = "redb")]
         StoreSpec::Redb(path) => {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|source| RunError::StoreDir {
-                    spec: spec.to_string(),
+            let path = path.clone();
+            let spec_text = spec.to_string();
+            // Creating the directory and opening the file are blocking file-system work.
+            let opened = tokio::task::spawn_blocking(move || {
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(|source| RunError::StoreDir {
+                        spec: spec_text.clone(),
+                        source,
+                    })?;
+                }
+                crate::store::RedbStore::open(&path).map_err(|source| RunError::Store {
+                    spec: spec_text,
                     source,
-                })?;
+                })
+            })
+            .await;
+            match opened {
+                Ok(store) => Ok(Arc::new(store?)),
+                Err(join) => Err(RunError::StoreDir {
+                    spec: spec.to_string(),
+                    source: io::Error::other(join),
+                }),
             }
-            let store = crate::store::RedbStore::open(path).map_err(|source| RunError::Store {
-                spec: spec.to_string(),
-                source,
-            })?;
-            Ok(Arc::new(store))
         }
         #[cfg(feature = "redis")]
         StoreSpec::Redis(url) => {
-            let store =
-                crate::store::RedisStore::connect(crate::store::RedisStoreConfig::new(url.clone()))
-                    .await
-                    .map_err(|source| RunError::Store {
-                        spec: spec.to_string(),
-                        source,
-                    })?;
+            // Start even while Redis is down: requests get 503 (or pass, as configured) and
+            // /readyz fails until it answers; it coming back needs no restart.
+            let store = crate::store::RedisStore::connect_lazy(
+                crate::store::RedisStoreConfig::new(url.clone()),
+            )
+            .map_err(|source| RunError::Store {
+                spec: spec.to_string(),
+                source,
+            })?;
+            match tokio::time::timeout(store_timeout, store.ping()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(store = %spec, error = %error, "store not reachable yet; starting anyway")
+                }
+                Err(_) => {
+                    tracing::warn!(store = %spec, "store did not answer yet; starting anyway")
+                }
+            }
             Ok(Arc::new(store))
         }
         #[cfg(not(feature = "redb"))]
@@ -124,7 +152,7 @@ pub async fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, RunError> {
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let metrics = Metrics::new();
-    let raw_store = open_store(&settings.store).await?;
+    let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
     let mut layer = IdempotencyLayer::new(Arc::clone(&store))
@@ -191,11 +219,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let builder = proxy_builder(&limits);
     let accept = accept_loop(
         listener,
-        Front {
-            inner: service,
-            peer: proxy_addr,
-            metrics: Arc::clone(&metrics),
-        },
+        service,
+        Arc::clone(&metrics),
         builder,
         Arc::clone(&connections),
         limits,
@@ -263,7 +288,8 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
 
 async fn accept_loop<S, B>(
     listener: TcpListener,
-    front: Front<S>,
+    service: S,
+    metrics: Arc<Metrics>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Semaphore>,
     limits: Limits,
@@ -293,14 +319,18 @@ async fn accept_loop<S, B>(
             }
         };
         let _ = stream.set_nodelay(true);
-        let mut front = front.clone();
-        front.peer = peer;
+        let front = Front {
+            inner: service.clone(),
+            peer,
+            metrics: Arc::clone(&metrics),
+        };
         let builder = builder.clone();
         let stop = stop.clone();
+        let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
-            front.metrics.connection_opened();
-            serve_connection(stream, front.clone(), &builder, limits, stop).await;
-            front.metrics.connection_closed();
+            metrics.connection_opened();
+            serve_connection(stream, front, &builder, limits, stop).await;
+            metrics.connection_closed();
             drop(permit);
         });
     }
@@ -507,7 +537,7 @@ fn log_request<B>(
     latency: Duration,
 ) {
     let status = response.status().as_u16();
-    let latency_ms = latency.as_secs_f64() * 1000.0;
+    let latency_ms = latency.as_micros() as f64 / 1000.0;
     let Some(outcome) = response.extensions().get::<Outcome>() else {
         tracing::info!(%method, path, status, latency_ms, client = %peer.ip(), "request");
         return;
@@ -517,9 +547,9 @@ fn log_request<B>(
     let record = outcome.record.map(|r| r.short());
     let record = record.as_deref().unwrap_or("-");
     if outcome.decision == crate::response::Decision::PassedThrough {
-        tracing::debug!(route = %outcome.route, outcome = decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
+        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
     } else {
-        tracing::info!(route = %outcome.route, outcome = decision, status, latency_ms, record, %method, path, client = %peer.ip(), "request");
+        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, path, client = %peer.ip(), "request");
     }
 }
 

@@ -31,7 +31,7 @@ use crate::record::{
 /// A short lease, for checks that wait for one to lapse.
 pub const SHORT_LEASE: Duration = Duration::from_millis(200);
 /// A short ttl, for checks that wait for a record to expire.
-pub const SHORT_TTL: Duration = Duration::from_millis(300);
+pub const SHORT_TTL: Duration = Duration::from_millis(500);
 /// A lease or ttl no check outlives.
 pub const LONG: Duration = Duration::from_secs(60);
 /// How far a backend's wall clock may be from this process's in a reported time.
@@ -199,7 +199,7 @@ pub async fn acquire_with(
     fp: &FingerprintHash,
     options: &ClaimOptions,
 ) -> OwnerToken {
-    match store.claim(key, fp, options).await {
+    match store.claim(key, fp, OwnerToken::generate(), options).await {
         Ok(Claim::Acquired(token)) => token,
         other => panic!("claim of a free key: expected Acquired, got {other:?}"),
     }
@@ -212,7 +212,7 @@ async fn claim(
     options: &ClaimOptions,
 ) -> Claim {
     store
-        .claim(key, fp, options)
+        .claim(key, fp, OwnerToken::generate(), options)
         .await
         .unwrap_or_else(|e| panic!("claim failed: {e}"))
 }
@@ -1072,8 +1072,8 @@ pub async fn mark_ambiguous_blocks_reruns(store: Arc<dyn Store>) {
 // ---------------------------------------------------------------------------------------------
 // TTL.
 
-/// Waits until `key` has vanished, for at most `within` beyond `SHORT_TTL`; then the next
-/// claim acquires.
+/// Waits twice [`SHORT_TTL`], then asserts `key`'s record (set with that ttl) has vanished
+/// and the next claim acquires.
 async fn assert_expires(store: &dyn Store, key: &RecordKey, fp: &FingerprintHash, what: &str) {
     tokio::time::sleep(SHORT_TTL * 2).await;
     assert_eq!(
@@ -1289,7 +1289,9 @@ async fn race(
             let fp = fingerprints(i);
             tokio::spawn(async move {
                 barrier.wait().await;
-                let claim = store.claim(&key, &fp, &options).await;
+                let claim = store
+                    .claim(&key, &fp, OwnerToken::generate(), &options)
+                    .await;
                 (fp, claim)
             })
         })

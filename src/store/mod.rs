@@ -13,9 +13,13 @@ use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
 mod memory;
+#[cfg(feature = "redb")]
+mod redb;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(feature = "redb")]
+pub use self::redb::RedbStore;
 #[cfg(feature = "redis")]
 pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
 pub use memory::{MemoryStore, MemoryStoreConfig};
@@ -49,7 +53,7 @@ pub struct ClaimOptions {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Claim {
     /// No live record existed (or a lapsed one was reclaimable): the caller owns the key now
-    /// and must complete, release or mark it ambiguous with this token.
+    /// under the token it passed, and must complete, release or mark it ambiguous with it.
     Acquired(OwnerToken),
     /// Another owner holds a live lease for the same fingerprint.
     InFlight {
@@ -149,10 +153,17 @@ pub enum StoreError {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for a request with `fingerprint`, or reports what holds it.
+    ///
+    /// `token` is the owner token the caller holds if the claim is acquired (a fresh
+    /// [`OwnerToken::generate`] per call). The caller chooses it so that a claim whose answer
+    /// never arrived (a timeout, a dropped connection) can still be undone: a
+    /// [`release`](Store::release) with the same token removes it if it landed and changes
+    /// nothing if it did not.
     async fn claim(
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError>;
 

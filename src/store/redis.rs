@@ -151,8 +151,9 @@ pub enum EvictionPolicy {
 /// its readiness check instead.
 ///
 /// A call that times out may still have run in Redis (the reply was lost, not the command).
-/// For a claim that leaves an in-flight record nobody owns: its lease lapses and the route's
-/// unknown-outcome rule applies, exactly as when a gateway dies.
+/// The layer undoes such a claim with a fenced release under the token it chose for it,
+/// sent on the same connection and so applied after the claim. Only if that release is lost
+/// too does the claim stay until its lease lapses, as when a gateway dies.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: ConnectionManager,
@@ -383,9 +384,9 @@ impl Store for RedisStore {
         &self,
         key: &RecordKey,
         fingerprint: &FingerprintHash,
+        token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        let token = OwnerToken::generate();
         let lease = millis(options.lease).to_string();
         let ttl = millis(options.ttl).to_string();
         let on_lapse: &[u8] = match options.on_lapse {

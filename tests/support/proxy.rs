@@ -320,6 +320,17 @@ impl Gateway {
         assert!(status.success());
     }
 
+    /// Kills this child with SIGKILL (`kill -9`: no drain, no clean close) and waits for it.
+    pub fn kill9(&mut self) -> ExitStatus {
+        let _ = self.child.kill();
+        self.child.wait().expect("wait for the killed idemgate")
+    }
+
+    /// Whether the child is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Waits for the child to exit, at most `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let deadline = std::time::Instant::now() + limit;

@@ -1,0 +1,1313 @@
+//! [`RedbStore`]: records in an embedded, crash-safe database file (redb).
+//!
+//! Every change is committed with immediate durability before the call returns, so a claim
+//! is on disk before its request goes upstream and an acknowledged completion survives a
+//! `kill -9`. A disk manages on the order of a thousand syncs a second, so all changes go
+//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] changes),
+//! applies it in order in one write transaction — each change still a single atomic step,
+//! later ones seeing earlier ones — and commits once for the whole batch (group commit).
+//! Reads, and claims that need no change (a replay, a conflict), use read transactions on
+//! Tokio's blocking pool. Nothing blocks the async runtime.
+//!
+//! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
+//! process that wrote it.
+//!
+//! # File layout
+//!
+//! - `records`: record key (32 bytes) → version, state tag, fingerprint, expiry, then the
+//!   state's fields (owner token and lease deadline; time stored and the
+//!   [`Completion::encode`] bytes; time it became ambiguous).
+//! - `expiries`: expiry (8 bytes, big-endian) ++ record key → nothing. Expired records are
+//!   found in expiry order and removed in bounded batches, without a scan; redb reuses the
+//!   freed pages, so a steady stream of short-lived records keeps the file at a steady size.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use redb::{Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use crate::record::{
+    Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
+    from_unix_millis, unix_millis,
+};
+
+const BACKEND: &str = "redb";
+
+/// Most changes committed together in one write transaction.
+const MAX_BATCH: usize = 256;
+/// Changes waiting for the writer beyond which callers wait for room.
+const QUEUE: usize = 4096;
+/// Most expired records removed by one sweep transaction.
+const SWEEP_BATCH: usize = 1000;
+/// Expired records every write transaction also removes, riding on its commit.
+const PIGGYBACK_SWEEP: usize = 64;
+/// Pause between two sweeps when the writer is otherwise idle.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Page cache redb may use.
+const CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
+const EXPIRIES: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiries");
+
+/// Records in an embedded database file that survives restarts and crashes.
+///
+/// One process (one `RedbStore`) at a time may have a file open; opening it a second time
+/// fails with an error that names the file. Clones share the open file; it is closed when
+/// the last clone is dropped (the drop waits for the writer thread to finish its current
+/// batch, a few milliseconds at most).
+///
+/// If a commit ever fails (the disk is full or failing), redb refuses further writes on that
+/// handle: every later change answers [`StoreError::Unavailable`] until the process reopens
+/// the file, which lets redb repair it.
+#[derive(Clone)]
+pub struct RedbStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    db: Arc<Database>,
+    /// Write transactions committed, to show that changes are grouped.
+    #[cfg(test)]
+    commits: Arc<std::sync::atomic::AtomicU64>,
+    path: Arc<Path>,
+    ops: Option<mpsc::Sender<Op>>,
+    writer: Option<JoinHandle<()>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Closing the queue ends the writer; waiting for it means the file is closed (and can
+        // be reopened) once the last handle is gone.
+        self.ops.take();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl fmt::Debug for RedbStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedbStore")
+            .field("path", &self.shared.path)
+            .finish()
+    }
+}
+
+/// What went wrong in the redb backend; the source of a [`StoreError`].
+#[derive(Debug, thiserror::Error)]
+enum RedbError {
+    #[error(
+        "cannot open {}: the file is already open (in another process, or by another store in this one)",
+        path.display()
+    )]
+    AlreadyOpen { path: PathBuf },
+    #[error("cannot open {}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: redb::Error,
+    },
+    #[error("cannot create the directory {}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the writer thread for {}", path.display())]
+    Thread {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: storage error", path.display())]
+    Storage {
+        path: Arc<Path>,
+        #[source]
+        source: Arc<redb::Error>,
+    },
+    #[error("{}: a commit failed and the file refuses writes until it is reopened", path.display())]
+    Poisoned {
+        path: Arc<Path>,
+        #[source]
+        source: Arc<redb::Error>,
+    },
+    #[error("{}: the writer thread has stopped", path.display())]
+    WriterGone { path: Arc<Path> },
+    #[error("{}: a blocking read task failed", path.display())]
+    Join {
+        path: Arc<Path>,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+fn unavailable(error: RedbError) -> StoreError {
+    StoreError::Unavailable {
+        backend: BACKEND,
+        source: Box::new(error),
+    }
+}
+
+fn corrupt(source: DecodeError) -> StoreError {
+    StoreError::Corrupt {
+        backend: BACKEND,
+        source,
+    }
+}
+
+impl RedbStore {
+    /// Opens the database file at `path`, creating it (and its parent directories) if
+    /// needed.
+    ///
+    /// Blocks while redb opens the file, which includes a repair after a crash: call it at
+    /// start-up, or under `spawn_blocking`. Fails if the file is already open, in another
+    /// process or in this one.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let path = path.as_ref();
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|source| {
+                unavailable(RedbError::CreateDir {
+                    path: parent.to_path_buf(),
+                    source,
+                })
+            })?;
+        }
+        let open_error = |source: redb::Error| {
+            unavailable(RedbError::Open {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let db = Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .create(path)
+            .map_err(|e| match e {
+                DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
+                    path: path.to_path_buf(),
+                }),
+                other => open_error(other.into()),
+            })?;
+        // Create both tables now, so reads never find them missing.
+        let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
+        txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
+        txn.open_table(EXPIRIES).map_err(|e| open_error(e.into()))?;
+        txn.commit().map_err(|e| open_error(e.into()))?;
+
+        let db = Arc::new(db);
+        let path: Arc<Path> = Arc::from(path);
+        let (ops, queue) = mpsc::channel(QUEUE);
+        #[cfg(test)]
+        let commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let writer = Writer {
+            #[cfg(test)]
+            commits: Arc::clone(&commits),
+            db: Arc::clone(&db),
+            path: Arc::clone(&path),
+            poisoned: None,
+            more_expired: true,
+        };
+        let thread_error = |source| {
+            unavailable(RedbError::Thread {
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        let writer = std::thread::Builder::new()
+            .name("idemgate-redb-writer".into())
+            .spawn(move || writer.run(queue))
+            .map_err(thread_error)?;
+        let shared = Shared {
+            #[cfg(test)]
+            commits,
+            db,
+            path: Arc::clone(&path),
+            ops: Some(ops.clone()),
+            writer: Some(writer),
+        };
+        // The ticker holds only a weak sender: it never keeps the writer alive.
+        let weak = ops.downgrade();
+        drop(ops);
+        std::thread::Builder::new()
+            .name("idemgate-redb-sweep".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(SWEEP_INTERVAL);
+                    let Some(ops) = weak.upgrade() else {
+                        return;
+                    };
+                    // A full queue means the writer is busy; its batches sweep as they go.
+                    let _ = ops.try_send(Op::Sweep { reply: None });
+                }
+            })
+            .map_err(thread_error)?;
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// Removes every expired record now, in bounded batches; returns how many. The writer
+    /// also does this on its own, so this is for tests and operators.
+    pub async fn sweep(&self) -> Result<usize, StoreError> {
+        let mut total = 0;
+        loop {
+            let removed = self.call(|reply| Op::Sweep { reply: Some(reply) }).await?;
+            total += removed;
+            if removed < SWEEP_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Sends one change to the writer and waits for its committed answer.
+    async fn call<T>(&self, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let gone = || {
+            unavailable(RedbError::WriterGone {
+                path: Arc::clone(&self.shared.path),
+            })
+        };
+        let ops = self.shared.ops.as_ref().ok_or_else(gone)?;
+        let (reply, answer) = oneshot::channel();
+        ops.send(op(reply)).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+
+    /// Runs `read` on a read transaction of the records table, on the blocking pool.
+    async fn read<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(
+            &redb::ReadOnlyTable<&'static [u8; 32], &'static [u8]>,
+        ) -> Result<T, StoreError>
+        + Send
+        + 'static,
+    ) -> Result<T, StoreError> {
+        let db = Arc::clone(&self.shared.db);
+        let path = Arc::clone(&self.shared.path);
+        let read_path = Arc::clone(&path);
+        tokio::task::spawn_blocking(move || {
+            let storage = |e: redb::Error| {
+                unavailable(RedbError::Storage {
+                    path: Arc::clone(&read_path),
+                    source: Arc::new(e),
+                })
+            };
+            let txn = db.begin_read().map_err(|e| storage(e.into()))?;
+            let table = txn.open_table(RECORDS).map_err(|e| storage(e.into()))?;
+            read(&table)
+        })
+        .await
+        .map_err(|source| unavailable(RedbError::Join { path, source }))?
+    }
+}
+
+// -------------------------------------------------------------------------------------------
+// Record encoding.
+
+const VERSION: u8 = 1;
+const TAG_IN_FLIGHT: u8 = 1;
+const TAG_COMPLETED: u8 = 2;
+const TAG_AMBIGUOUS: u8 = 3;
+/// Version, tag, fingerprint, expiry.
+const HEADER_LEN: usize = 1 + 1 + 32 + 8;
+
+/// A stored record without its completion bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Header {
+    fingerprint: FingerprintHash,
+    expires: u64,
+    state: StateHeader,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StateHeader {
+    InFlight {
+        token: OwnerToken,
+        lease_deadline: u64,
+    },
+    Completed {
+        stored_at: u64,
+    },
+    Ambiguous {
+        since: u64,
+    },
+}
+
+fn read_u64(bytes: &[u8], at: usize) -> Result<u64, DecodeError> {
+    bytes
+        .get(at..at + 8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_be_bytes)
+        .ok_or(DecodeError("truncated record"))
+}
+
+impl Header {
+    /// Parses a stored value; for a completed record also returns the completion bytes.
+    fn parse(value: &[u8]) -> Result<(Self, &[u8]), DecodeError> {
+        if value.len() < HEADER_LEN {
+            return Err(DecodeError("truncated record"));
+        }
+        if value[0] != VERSION {
+            return Err(DecodeError("unknown record version"));
+        }
+        let mut fingerprint = [0u8; 32];
+        fingerprint.copy_from_slice(&value[2..34]);
+        let expires = read_u64(value, 34)?;
+        let (state, rest) = match value[1] {
+            TAG_IN_FLIGHT => {
+                let token = value
+                    .get(HEADER_LEN..HEADER_LEN + 16)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u128::from_be_bytes)
+                    .ok_or(DecodeError("truncated record"))?;
+                let lease_deadline = read_u64(value, HEADER_LEN + 16)?;
+                (
+                    StateHeader::InFlight {
+                        token: OwnerToken(token),
+                        lease_deadline,
+                    },
+                    &[][..],
+                )
+            }
+            TAG_COMPLETED => (
+                StateHeader::Completed {
+                    stored_at: read_u64(value, HEADER_LEN)?,
+                },
+                &value[HEADER_LEN + 8..],
+            ),
+            TAG_AMBIGUOUS => (
+                StateHeader::Ambiguous {
+                    since: read_u64(value, HEADER_LEN)?,
+                },
+                &[][..],
+            ),
+            _ => return Err(DecodeError("unknown record state")),
+        };
+        Ok((
+            Header {
+                fingerprint: Hash256(fingerprint),
+                expires,
+                state,
+            },
+            rest,
+        ))
+    }
+
+    /// Encodes the record, with `completion` after the header of a completed one.
+    fn encode(&self, completion: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + 24 + completion.len());
+        let tag = match self.state {
+            StateHeader::InFlight { .. } => TAG_IN_FLIGHT,
+            StateHeader::Completed { .. } => TAG_COMPLETED,
+            StateHeader::Ambiguous { .. } => TAG_AMBIGUOUS,
+        };
+        out.push(VERSION);
+        out.push(tag);
+        out.extend_from_slice(&self.fingerprint.0);
+        out.extend_from_slice(&self.expires.to_be_bytes());
+        match self.state {
+            StateHeader::InFlight {
+                token,
+                lease_deadline,
+            } => {
+                out.extend_from_slice(&token.0.to_be_bytes());
+                out.extend_from_slice(&lease_deadline.to_be_bytes());
+            }
+            StateHeader::Completed { stored_at } => {
+                out.extend_from_slice(&stored_at.to_be_bytes());
+                out.extend_from_slice(completion);
+            }
+            StateHeader::Ambiguous { since } => out.extend_from_slice(&since.to_be_bytes()),
+        }
+        out
+    }
+
+    fn is_live(&self, now: u64) -> bool {
+        self.expires > now
+    }
+
+    fn owned_by(&self, token: OwnerToken, now: u64) -> bool {
+        self.is_live(now)
+            && matches!(self.state, StateHeader::InFlight { token: t, .. } if t == token)
+    }
+
+    fn to_record(self, completion: &[u8]) -> Result<Record, StoreError> {
+        let fingerprint = self.fingerprint;
+        Ok(match self.state {
+            StateHeader::InFlight { lease_deadline, .. } => Record::InFlight {
+                fingerprint,
+                lease_deadline: from_unix_millis(lease_deadline),
+            },
+            StateHeader::Completed { stored_at } => Record::Completed {
+                fingerprint,
+                completion: decode_completion(completion)?,
+                stored_at: from_unix_millis(stored_at),
+            },
+            StateHeader::Ambiguous { since } => Record::Ambiguous {
+                fingerprint,
+                since: from_unix_millis(since),
+            },
+        })
+    }
+}
+
+fn decode_completion(bytes: &[u8]) -> Result<Completion, StoreError> {
+    Completion::decode(Bytes::copy_from_slice(bytes)).map_err(corrupt)
+}
+
+fn index_key(expires: u64, key: &[u8; 32]) -> [u8; 40] {
+    let mut out = [0u8; 40];
+    out[..8].copy_from_slice(&expires.to_be_bytes());
+    out[8..].copy_from_slice(key);
+    out
+}
+
+fn now_ms() -> u64 {
+    unix_millis(SystemTime::now())
+}
+
+fn after(now: u64, d: Duration) -> u64 {
+    now.saturating_add(d.as_millis().min(u64::MAX as u128) as u64)
+}
+
+/// What a claim does about the record it found.
+enum ClaimStep {
+    /// Answer without a change.
+    Answer(Claim),
+    /// Answer with the stored completion.
+    Replay,
+    /// Write a fresh in-flight record, replacing the expired or lapsed one (with its expiry).
+    Acquire { replaces: Option<u64> },
+    /// Turn the lapsed in-flight record ambiguous, then answer.
+    MakeAmbiguous { old_expiry: u64, answer: Claim },
+}
+
+fn decide(
+    found: Option<&Header>,
+    fingerprint: &FingerprintHash,
+    options: &ClaimOptions,
+    now: u64,
+) -> ClaimStep {
+    let Some(found) = found else {
+        return ClaimStep::Acquire { replaces: None };
+    };
+    if !found.is_live(now) {
+        return ClaimStep::Acquire {
+            replaces: Some(found.expires),
+        };
+    }
+    let same = found.fingerprint == *fingerprint;
+    match found.state {
+        StateHeader::InFlight { lease_deadline, .. } if lease_deadline > now => {
+            ClaimStep::Answer(if same {
+                Claim::InFlight {
+                    lease_remaining: Duration::from_millis(lease_deadline - now),
+                }
+            } else {
+                Claim::Mismatch
+            })
+        }
+        StateHeader::InFlight { .. } => match options.on_lapse {
+            UnknownOutcome::Retry => ClaimStep::Acquire {
+                replaces: Some(found.expires),
+            },
+            UnknownOutcome::Ambiguous => ClaimStep::MakeAmbiguous {
+                old_expiry: found.expires,
+                answer: if same {
+                    Claim::Ambiguous
+                } else {
+                    Claim::Mismatch
+                },
+            },
+        },
+        _ if !same => ClaimStep::Answer(Claim::Mismatch),
+        StateHeader::Completed { .. } => ClaimStep::Replay,
+        StateHeader::Ambiguous { .. } => ClaimStep::Answer(Claim::Ambiguous),
+    }
+}
+
+// -------------------------------------------------------------------------------------------
+// The writer.
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+enum Op {
+    Claim {
+        key: RecordKey,
+        fingerprint: FingerprintHash,
+        token: OwnerToken,
+        options: ClaimOptions,
+        reply: Reply<Claim>,
+    },
+    Complete {
+        key: RecordKey,
+        token: OwnerToken,
+        completion: Bytes,
+        ttl: Duration,
+        reply: Reply<Transition>,
+    },
+    Release {
+        key: RecordKey,
+        token: OwnerToken,
+        reply: Reply<Transition>,
+    },
+    Renew {
+        key: RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+        reply: Reply<Transition>,
+    },
+    MarkAmbiguous {
+        key: RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+        reply: Reply<Transition>,
+    },
+    Delete {
+        key: RecordKey,
+        reply: Reply<bool>,
+    },
+    Ping {
+        reply: Reply<()>,
+    },
+    Sweep {
+        reply: Option<Reply<usize>>,
+    },
+}
+
+/// Why a batch failed; every change in it answers with this.
+struct Failure {
+    path: Arc<Path>,
+    cause: Arc<redb::Error>,
+    poisoned: bool,
+}
+
+impl Failure {
+    fn error(&self) -> StoreError {
+        let path = Arc::clone(&self.path);
+        let source = Arc::clone(&self.cause);
+        unavailable(if self.poisoned {
+            RedbError::Poisoned { path, source }
+        } else {
+            RedbError::Storage { path, source }
+        })
+    }
+}
+
+/// Sends a change's answer once its batch is committed, or the batch's failure.
+type Done = Box<dyn FnOnce(Option<&Failure>) + Send>;
+
+fn done<T: Send + 'static>(reply: Reply<T>, answer: Result<T, StoreError>) -> Done {
+    Box::new(move |failure| {
+        let _ = reply.send(match failure {
+            None => answer,
+            Some(f) => Err(f.error()),
+        });
+    })
+}
+
+impl Op {
+    /// Answers a change that was never applied with `failure`.
+    fn fail(self, failure: &Failure) {
+        let error = failure.error();
+        match self {
+            Op::Claim { reply, .. } => drop(reply.send(Err(error))),
+            Op::Complete { reply, .. }
+            | Op::Release { reply, .. }
+            | Op::Renew { reply, .. }
+            | Op::MarkAmbiguous { reply, .. } => drop(reply.send(Err(error))),
+            Op::Delete { reply, .. } => drop(reply.send(Err(error))),
+            Op::Ping { reply } => drop(reply.send(Err(error))),
+            Op::Sweep { reply } => {
+                if let Some(reply) = reply {
+                    drop(reply.send(Err(error)));
+                }
+            }
+        }
+    }
+}
+
+struct Writer {
+    #[cfg(test)]
+    commits: Arc<std::sync::atomic::AtomicU64>,
+    db: Arc<Database>,
+    path: Arc<Path>,
+    /// Set once a commit failed: redb then refuses writes on this handle.
+    poisoned: Option<Arc<redb::Error>>,
+    /// The last sweep stopped at its limit: sweep again as soon as the queue is empty.
+    more_expired: bool,
+}
+
+struct Tables<'t> {
+    records: redb::Table<'t, &'static [u8; 32], &'static [u8]>,
+    expiries: redb::Table<'t, &'static [u8; 40], ()>,
+    /// Whether anything was written, so a batch that changed nothing skips the sync.
+    dirty: bool,
+}
+
+impl Writer {
+    fn run(mut self, mut queue: mpsc::Receiver<Op>) {
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        loop {
+            if self.more_expired {
+                match queue.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        batch.push(Op::Sweep { reply: None });
+                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            } else if queue.blocking_recv_many(&mut batch, MAX_BATCH) == 0 {
+                return;
+            }
+            while batch.len() < MAX_BATCH {
+                match queue.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            self.run_batch(&mut batch);
+        }
+    }
+
+    /// Applies `batch` in one write transaction and answers each change after the commit.
+    fn run_batch(&mut self, batch: &mut Vec<Op>) {
+        if let Some(cause) = &self.poisoned {
+            let failure = Failure {
+                path: Arc::clone(&self.path),
+                cause: Arc::clone(cause),
+                poisoned: true,
+            };
+            batch.drain(..).for_each(|op| op.fail(&failure));
+            return;
+        }
+        let now = now_ms();
+        let mut dones: Vec<Done> = Vec::with_capacity(batch.len());
+        let mut ops = batch.drain(..);
+        let result = self.transact(&mut ops, &mut dones, now);
+        let failure = match result {
+            Ok(()) => None,
+            Err((cause, poisoned)) => {
+                if poisoned {
+                    self.poisoned = Some(Arc::clone(&cause));
+                }
+                Some(Failure {
+                    path: Arc::clone(&self.path),
+                    cause,
+                    poisoned,
+                })
+            }
+        };
+        for done in dones {
+            done(failure.as_ref());
+        }
+        if let Some(failure) = &failure {
+            ops.for_each(|op| op.fail(failure));
+        }
+    }
+
+    /// The transaction of one batch. An error aborts it (nothing is changed) unless it came
+    /// from the commit, which is reported as poisoning the handle.
+    fn transact(
+        &mut self,
+        ops: &mut impl Iterator<Item = Op>,
+        dones: &mut Vec<Done>,
+        now: u64,
+    ) -> Result<(), (Arc<redb::Error>, bool)> {
+        let fail = |e: redb::Error| (Arc::new(e), false);
+        let mut txn = self.db.begin_write().map_err(|e| fail(e.into()))?;
+        txn.set_durability(Durability::Immediate)
+            .map_err(|e| fail(e.into()))?;
+        let (dirty, swept_all) = {
+            let mut tables = Tables {
+                records: txn.open_table(RECORDS).map_err(|e| fail(e.into()))?,
+                expiries: txn.open_table(EXPIRIES).map_err(|e| fail(e.into()))?,
+                dirty: false,
+            };
+            let mut swept_all = true;
+            for op in ops.by_ref() {
+                let (done, error) = tables.apply(op, now, &mut swept_all);
+                dones.push(done);
+                if let Some(e) = error {
+                    return Err(fail(e));
+                }
+            }
+            if tables.dirty {
+                let removed = tables.sweep(now, PIGGYBACK_SWEEP).map_err(fail)?;
+                swept_all &= removed < PIGGYBACK_SWEEP;
+            }
+            (tables.dirty, swept_all)
+        };
+        self.more_expired = !swept_all;
+        if dirty {
+            #[cfg(test)]
+            self.commits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            txn.commit().map_err(|e| (Arc::new(e.into()), true))
+        } else {
+            txn.abort().map_err(|e| fail(e.into()))
+        }
+    }
+}
+
+impl Tables<'_> {
+    /// Applies one change; returns how to answer it and the storage error that aborts the
+    /// batch, if any.
+    fn apply(&mut self, op: Op, now: u64, swept_all: &mut bool) -> (Done, Option<redb::Error>) {
+        fn split<T: Send + 'static>(
+            reply: Reply<T>,
+            result: Result<Result<T, StoreError>, redb::Error>,
+        ) -> (Done, Option<redb::Error>) {
+            match result {
+                Ok(answer) => (done(reply, answer), None),
+                Err(e) => (
+                    Box::new(move |failure: Option<&Failure>| {
+                        if let Some(f) = failure {
+                            let _ = reply.send(Err(f.error()));
+                        }
+                    }),
+                    Some(e),
+                ),
+            }
+        }
+        match op {
+            Op::Claim {
+                key,
+                fingerprint,
+                token,
+                options,
+                reply,
+            } => split(reply, self.claim(&key, &fingerprint, token, &options, now)),
+            Op::Complete {
+                key,
+                token,
+                completion,
+                ttl,
+                reply,
+            } => split(
+                reply,
+                self.transition(&key, token, now, |header| {
+                    header.state = StateHeader::Completed { stored_at: now };
+                    header.expires = after(now, ttl);
+                    Some(completion)
+                }),
+            ),
+            Op::Release { key, token, reply } => split(reply, self.release(&key, token, now)),
+            Op::Renew {
+                key,
+                token,
+                lease,
+                reply,
+            } => split(
+                reply,
+                self.transition(&key, token, now, |header| {
+                    let lease_deadline = after(now, lease);
+                    header.state = StateHeader::InFlight {
+                        token,
+                        lease_deadline,
+                    };
+                    header.expires = header.expires.max(lease_deadline);
+                    None
+                }),
+            ),
+            Op::MarkAmbiguous {
+                key,
+                token,
+                ttl,
+                reply,
+            } => split(
+                reply,
+                self.transition(&key, token, now, |header| {
+                    header.state = StateHeader::Ambiguous { since: now };
+                    header.expires = after(now, ttl);
+                    None
+                }),
+            ),
+            Op::Delete { key, reply } => split(reply, self.delete(&key, now).map(Ok)),
+            Op::Ping { reply } => (done(reply, Ok(())), None),
+            Op::Sweep { reply } => {
+                let result = self.sweep(now, SWEEP_BATCH);
+                if let Ok(removed) = result {
+                    *swept_all &= removed < SWEEP_BATCH;
+                }
+                match reply {
+                    Some(reply) => split(reply, result.map(Ok)),
+                    None => (Box::new(|_| {}), result.err()),
+                }
+            }
+        }
+    }
+
+    fn header(&self, key: &RecordKey) -> Result<Option<Result<Header, DecodeError>>, redb::Error> {
+        Ok(self
+            .records
+            .get(&key.0)?
+            .map(|value| Header::parse(value.value()).map(|(h, _)| h)))
+    }
+
+    /// Writes `header` (and `completion`) under `key`, moving its expiry index entry.
+    fn put(
+        &mut self,
+        key: &RecordKey,
+        header: &Header,
+        completion: &[u8],
+        old_expiry: Option<u64>,
+    ) -> Result<(), redb::Error> {
+        self.records
+            .insert(&key.0, header.encode(completion).as_slice())?;
+        if old_expiry != Some(header.expires) {
+            if let Some(old) = old_expiry {
+                self.expiries.remove(&index_key(old, &key.0))?;
+            }
+            self.expiries
+                .insert(&index_key(header.expires, &key.0), ())?;
+        }
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &RecordKey, expiry: u64) -> Result<(), redb::Error> {
+        self.records.remove(&key.0)?;
+        self.expiries.remove(&index_key(expiry, &key.0))?;
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn claim(
+        &mut self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        token: OwnerToken,
+        options: &ClaimOptions,
+        now: u64,
+    ) -> Result<Result<Claim, StoreError>, redb::Error> {
+        let found = match self.header(key)? {
+            Some(Ok(h)) => Some(h),
+            Some(Err(e)) => return Ok(Err(corrupt(e))),
+            None => None,
+        };
+        Ok(Ok(
+            match decide(found.as_ref(), fingerprint, options, now) {
+                ClaimStep::Answer(claim) => claim,
+                ClaimStep::Replay => {
+                    let Some(value) = self.records.get(&key.0)? else {
+                        return Ok(Err(corrupt(DecodeError("record vanished"))));
+                    };
+                    let completion = match Header::parse(value.value()) {
+                        Ok((_, bytes)) => decode_completion(bytes),
+                        Err(e) => Err(corrupt(e)),
+                    };
+                    match completion {
+                        Ok(c) => Claim::Completed(Arc::new(c)),
+                        Err(e) => return Ok(Err(e)),
+                    }
+                }
+                ClaimStep::Acquire { replaces } => {
+                    let header = Header {
+                        fingerprint: *fingerprint,
+                        expires: after(now, options.ttl),
+                        state: StateHeader::InFlight {
+                            token,
+                            lease_deadline: after(now, options.lease),
+                        },
+                    };
+                    self.put(key, &header, &[], replaces)?;
+                    Claim::Acquired(token)
+                }
+                ClaimStep::MakeAmbiguous { old_expiry, answer } => {
+                    let Some(found) = found else {
+                        return Ok(Err(corrupt(DecodeError("record vanished"))));
+                    };
+                    let header = Header {
+                        fingerprint: found.fingerprint,
+                        expires: after(now, options.ttl),
+                        state: StateHeader::Ambiguous { since: now },
+                    };
+                    self.put(key, &header, &[], Some(old_expiry))?;
+                    answer
+                }
+            },
+        ))
+    }
+
+    /// Changes `key`'s record with `change` if it is in flight under `token`; `change` may
+    /// return the completion bytes of a completed record.
+    fn transition(
+        &mut self,
+        key: &RecordKey,
+        token: OwnerToken,
+        now: u64,
+        change: impl FnOnce(&mut Header) -> Option<Bytes>,
+    ) -> Result<Result<Transition, StoreError>, redb::Error> {
+        let mut header = match self.header(key)? {
+            Some(Ok(h)) if h.owned_by(token, now) => h,
+            Some(Ok(_)) | None => return Ok(Ok(Transition::Fenced)),
+            Some(Err(e)) => return Ok(Err(corrupt(e))),
+        };
+        let old_expiry = header.expires;
+        let completion = change(&mut header).unwrap_or_default();
+        self.put(key, &header, &completion, Some(old_expiry))?;
+        Ok(Ok(Transition::Applied))
+    }
+
+    fn release(
+        &mut self,
+        key: &RecordKey,
+        token: OwnerToken,
+        now: u64,
+    ) -> Result<Result<Transition, StoreError>, redb::Error> {
+        match self.header(key)? {
+            Some(Ok(h)) if h.owned_by(token, now) => {
+                self.remove(key, h.expires)?;
+                Ok(Ok(Transition::Applied))
+            }
+            Some(Ok(_)) | None => Ok(Ok(Transition::Fenced)),
+            Some(Err(e)) => Ok(Err(corrupt(e))),
+        }
+    }
+
+    /// Removes whatever is under `key`, even an undecodable record (an operator's way out);
+    /// returns whether a live one was there.
+    fn delete(&mut self, key: &RecordKey, now: u64) -> Result<bool, redb::Error> {
+        let found = self.header(key)?;
+        let Some(found) = found else {
+            return Ok(false);
+        };
+        match found {
+            Ok(h) => {
+                self.remove(key, h.expires)?;
+                Ok(h.is_live(now))
+            }
+            Err(_) => {
+                self.records.remove(&key.0)?;
+                self.dirty = true;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Removes up to `limit` records that expired by `now`, oldest first.
+    fn sweep(&mut self, now: u64, limit: usize) -> Result<usize, redb::Error> {
+        let mut upper = [0xffu8; 40];
+        upper[..8].copy_from_slice(&now.to_be_bytes());
+        let mut doomed = Vec::new();
+        for entry in self.expiries.range::<&[u8; 40]>(..=&upper)?.take(limit) {
+            let (index, _) = entry?;
+            doomed.push(*index.value());
+        }
+        for index in &doomed {
+            self.expiries.remove(index)?;
+            let mut key = [0u8; 32];
+            key.copy_from_slice(&index[8..]);
+            let expiry = read_u64(index, 0).unwrap_or(0);
+            // The index is kept exact; check anyway, so a stale entry never removes a record
+            // that was given a later expiry.
+            let stale = match self.records.get(&key)? {
+                Some(value) => Header::parse(value.value()).is_ok_and(|(h, _)| h.expires != expiry),
+                None => true,
+            };
+            if !stale {
+                self.records.remove(&key)?;
+            }
+        }
+        if !doomed.is_empty() {
+            self.dirty = true;
+        }
+        Ok(doomed.len())
+    }
+}
+
+// -------------------------------------------------------------------------------------------
+
+#[async_trait]
+impl Store for RedbStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        token: OwnerToken,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        // A claim that changes nothing (a replay, a conflict) is answered from a read
+        // transaction: a committed state is as good an answer as the writer's, and costs no
+        // sync.
+        let (k, fp, opts) = (*key, *fingerprint, *options);
+        let answered = self
+            .read(move |table| {
+                let guard = table.get(&k.0).map_err(storage_error)?;
+                let Some(value) = guard else {
+                    return Ok(None);
+                };
+                let (header, completion) = Header::parse(value.value()).map_err(corrupt)?;
+                Ok(match decide(Some(&header), &fp, &opts, now_ms()) {
+                    ClaimStep::Answer(claim) => Some(claim),
+                    ClaimStep::Replay => {
+                        Some(Claim::Completed(Arc::new(decode_completion(completion)?)))
+                    }
+                    ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => None,
+                })
+            })
+            .await?;
+        if let Some(claim) = answered {
+            return Ok(claim);
+        }
+        self.call(|reply| Op::Claim {
+            key: *key,
+            fingerprint: *fingerprint,
+            token,
+            options: *options,
+            reply,
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        completion: Completion,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        let completion = completion.encode();
+        self.call(|reply| Op::Complete {
+            key: *key,
+            token,
+            completion,
+            ttl,
+            reply,
+        })
+        .await
+    }
+
+    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
+        self.call(|reply| Op::Release {
+            key: *key,
+            token,
+            reply,
+        })
+        .await
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        lease: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.call(|reply| Op::Renew {
+            key: *key,
+            token,
+            lease,
+            reply,
+        })
+        .await
+    }
+
+    async fn mark_ambiguous(
+        &self,
+        key: &RecordKey,
+        token: OwnerToken,
+        ttl: Duration,
+    ) -> Result<Transition, StoreError> {
+        self.call(|reply| Op::MarkAmbiguous {
+            key: *key,
+            token,
+            ttl,
+            reply,
+        })
+        .await
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
+        let k = *key;
+        self.read(move |table| {
+            let Some(value) = table.get(&k.0).map_err(storage_error)? else {
+                return Ok(None);
+            };
+            let (header, completion) = Header::parse(value.value()).map_err(corrupt)?;
+            if !header.is_live(now_ms()) {
+                return Ok(None);
+            }
+            header.to_record(completion).map(Some)
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.call(|reply| Op::Delete { key: *key, reply }).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.call(|reply| Op::Ping { reply }).await
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+}
+
+/// A storage error met in a read; the path is not at hand there, redb's message says enough.
+fn storage_error(e: impl Into<redb::Error>) -> StoreError {
+    StoreError::Unavailable {
+        backend: BACKEND,
+        source: Box::new(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> Vec<Header> {
+        let fingerprint = Hash256::of(b"fp");
+        vec![
+            Header {
+                fingerprint,
+                expires: 123_456_789,
+                state: StateHeader::InFlight {
+                    token: OwnerToken(u128::MAX - 5),
+                    lease_deadline: 99,
+                },
+            },
+            Header {
+                fingerprint,
+                expires: u64::MAX,
+                state: StateHeader::Completed { stored_at: 7 },
+            },
+            Header {
+                fingerprint,
+                expires: 0,
+                state: StateHeader::Ambiguous { since: 42 },
+            },
+        ]
+    }
+
+    #[test]
+    fn record_headers_round_trip() {
+        for header in headers() {
+            let encoded = header.encode(b"completion bytes");
+            let (decoded, rest) = Header::parse(&encoded).unwrap();
+            assert_eq!(decoded, header);
+            let expected: &[u8] = match header.state {
+                StateHeader::Completed { .. } => b"completion bytes",
+                _ => b"",
+            };
+            assert_eq!(rest, expected);
+        }
+    }
+
+    #[test]
+    fn truncated_or_foreign_records_are_errors_not_panics() {
+        for header in headers() {
+            let encoded = header.encode(b"");
+            for cut in 0..encoded.len() {
+                assert!(Header::parse(&encoded[..cut]).is_err(), "cut at {cut}");
+            }
+            let mut newer = encoded.clone();
+            newer[0] = VERSION + 1;
+            assert!(Header::parse(&newer).is_err());
+            let mut unknown = encoded;
+            unknown[1] = 9;
+            assert!(Header::parse(&unknown).is_err());
+        }
+    }
+
+    fn temp_path(label: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join("idemgate-tests").join(format!(
+            "unit-{label}-{}-{}.redb",
+            std::process::id(),
+            OwnerToken::generate().0
+        ))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_changes_share_commits() {
+        let path = temp_path("group-commit");
+        let store = RedbStore::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let fp = Hash256::of(b"fp");
+        let options = ClaimOptions {
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lapse: UnknownOutcome::Ambiguous,
+        };
+        let mut owned = Vec::new();
+        for i in 0..256u32 {
+            let key = Hash256::of(&i.to_be_bytes());
+            match store
+                .claim(&key, &fp, OwnerToken::generate(), &options)
+                .await
+                .unwrap()
+            {
+                Claim::Acquired(token) => owned.push((key, token)),
+                other => panic!("{other:?}"),
+            }
+        }
+        let before = store
+            .shared
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let renewals: Vec<_> = owned
+            .into_iter()
+            .map(|(key, token)| {
+                let store = store.clone();
+                tokio::spawn(async move { store.renew(&key, token, Duration::from_secs(90)).await })
+            })
+            .collect();
+        for renewal in renewals {
+            assert_eq!(renewal.await.unwrap().unwrap(), Transition::Applied);
+        }
+        let commits = store
+            .shared
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - before;
+        // 256 queued changes in batches of up to MAX_BATCH: far fewer commits than changes.
+        assert!(
+            commits < 128,
+            "{commits} commits for 256 concurrent renewals"
+        );
+        assert!(commits >= 1);
+    }
+
+    #[tokio::test]
+    async fn changes_that_change_nothing_do_not_commit() {
+        let path = temp_path("no-commit");
+        let store = RedbStore::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let before = store
+            .shared
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let key = Hash256::of(b"missing");
+        assert_eq!(
+            store.release(&key, OwnerToken::generate()).await.unwrap(),
+            Transition::Fenced
+        );
+        store.ping().await.unwrap();
+        assert!(!store.delete(&key).await.unwrap());
+        let after = store
+            .shared
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(after, before, "fenced calls and pings synced the disk");
+    }
+
+    #[test]
+    fn index_keys_sort_by_expiry_first() {
+        let a = index_key(1, &[0xff; 32]);
+        let b = index_key(2, &[0x00; 32]);
+        assert!(a < b);
+        assert!(index_key(u64::MAX, &[0; 32]) > index_key(u64::MAX - 1, &[0xff; 32]));
+    }
+}

@@ -417,12 +417,18 @@ impl Problem {
 /// A replay of a stored response: its status, headers and body, plus
 /// `Idempotent-Replayed: true`.
 pub fn replay(stored: &StoredResponse) -> Response<Bytes> {
-    let mut response = Response::new(stored.body.clone());
+    into_replay(stored.clone())
+}
+
+/// [`replay`] of a stored response the caller owns (a store that decodes each record hands
+/// out a fresh one): its header map becomes the response's as it is, with no copy.
+pub fn into_replay(stored: StoredResponse) -> Response<Bytes> {
+    let mut response = Response::new(stored.body);
     *response.status_mut() = stored.status;
-    let headers = response.headers_mut();
-    headers.reserve(stored.headers.len() + 1);
-    headers.extend(stored.headers.iter().map(|(n, v)| (n.clone(), v.clone())));
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    *response.headers_mut() = stored.headers;
+    response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
 }
 

@@ -24,7 +24,9 @@ use crate::key;
 use crate::layer::{Route, Shared};
 use crate::policy::{Concurrent, KeySource, OnStoreError, UnknownOutcome};
 use crate::record::{Completion, FingerprintHash, Hash256, OwnerToken, RecordKey, StoredResponse};
-use crate::response::{Decision, IDEMPOTENT_REPLAYED, Outcome, Problem, UpstreamFailure, replay};
+use crate::response::{
+    Decision, IDEMPOTENT_REPLAYED, Outcome, Problem, UpstreamFailure, into_replay,
+};
 use crate::store::{BoxError, Claim, ClaimOptions, StoreError, Transition};
 
 /// How soon a client told `409` should try again.
@@ -320,15 +322,7 @@ impl Keyed {
                     )),
                 };
             }
-            Ok(Claim::Completed(completion)) => match &*completion {
-                Completion::Response(stored) => self.made(replay(stored), Decision::Replayed),
-                Completion::TooLarge {
-                    status, body_len, ..
-                } => self.problem(
-                    Problem::response_not_replayable(*status, *body_len),
-                    Decision::NotReplayable,
-                ),
-            },
+            Ok(Claim::Completed(completion)) => self.completed(completion),
             Ok(Claim::InFlight { .. }) => self.problem(
                 Problem::request_in_flight(IN_FLIGHT_RETRY_AFTER),
                 Decision::InFlight,
@@ -644,6 +638,21 @@ impl Keyed {
 
     fn made<B>(&self, response: Response<Bytes>, decision: Decision) -> Response<ResponseBody<B>> {
         self.tag(response.map(ResponseBody::full), decision)
+    }
+
+    /// The answer to a retry of a completed request: the stored response, or a problem if it
+    /// was too large to keep. A completion held by this caller alone (stores that decode each
+    /// record hand out a fresh one) becomes the response as it is, with no copy.
+    fn completed<B>(&self, completion: Arc<Completion>) -> Response<ResponseBody<B>> {
+        match Arc::try_unwrap(completion).unwrap_or_else(|shared| Completion::clone(&shared)) {
+            Completion::Response(stored) => self.made(into_replay(stored), Decision::Replayed),
+            Completion::TooLarge {
+                status, body_len, ..
+            } => self.problem(
+                Problem::response_not_replayable(status, body_len),
+                Decision::NotReplayable,
+            ),
+        }
     }
 
     fn problem<B>(&self, problem: Problem, decision: Decision) -> Response<ResponseBody<B>> {

@@ -514,7 +514,8 @@ where
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         req.extensions_mut().insert(ClientAddr(self.peer));
         let method = req.method().clone();
-        let path: String = req.uri().path().chars().take(200).collect();
+        // A clone of the URI shares its bytes; the path is cut to length only if it is logged.
+        let uri = req.uri().clone();
         let started = Instant::now();
         let mut inner = self.inner.clone();
         let metrics = Arc::clone(&self.metrics);
@@ -522,9 +523,37 @@ where
         Box::pin(async move {
             std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             let Ok(response) = inner.call(req).await;
-            log_request(&metrics, &response, &method, &path, peer, started.elapsed());
+            let path = LoggedPath(uri.path());
+            log_request(&metrics, &response, &method, path, peer, started.elapsed());
             Ok(response)
         })
+    }
+}
+
+/// A request path in a log line, cut to 200 characters. Formatted only when the line is
+/// written, so a request whose line is filtered out costs no string.
+struct LoggedPath<'a>(&'a str);
+
+impl std::fmt::Display for LoggedPath<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cut = self
+            .0
+            .char_indices()
+            .nth(200)
+            .map_or(self.0, |(at, _)| &self.0[..at]);
+        f.write_str(cut)
+    }
+}
+
+/// A record key in a log line (its short hash, or `-`), formatted only when written.
+struct LoggedRecord(Option<crate::record::Hash256>);
+
+impl std::fmt::Display for LoggedRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(record) => f.write_str(&record.short()),
+            None => f.write_str("-"),
+        }
     }
 }
 
@@ -532,24 +561,23 @@ fn log_request<B>(
     metrics: &Metrics,
     response: &Response<B>,
     method: &http::Method,
-    path: &str,
+    path: LoggedPath<'_>,
     peer: SocketAddr,
     latency: Duration,
 ) {
     let status = response.status().as_u16();
     let latency_ms = latency.as_micros() as f64 / 1000.0;
     let Some(outcome) = response.extensions().get::<Outcome>() else {
-        tracing::info!(%method, path, status, latency_ms, client = %peer.ip(), "request");
+        tracing::info!(%method, %path, status, latency_ms, client = %peer.ip(), "request");
         return;
     };
     let decision = outcome.decision.as_str();
     metrics.count_request(&outcome.route, decision);
-    let record = outcome.record.map(|r| r.short());
-    let record = record.as_deref().unwrap_or("-");
+    let record = LoggedRecord(outcome.record);
     if outcome.decision == crate::response::Decision::PassedThrough {
-        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, path, client = %peer.ip(), "request");
+        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, client = %peer.ip(), "request");
     } else {
-        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, path, client = %peer.ip(), "request");
+        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, client = %peer.ip(), "request");
     }
 }
 

@@ -22,6 +22,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use idemgate::record::{Completion, Hash256, OwnerToken, RecordKey, StoredResponse};
 use idemgate::store::{Claim, ClaimOptions, MemoryStore, MemoryStoreConfig, Store, UnknownOutcome};
 
+// The allocator the `idemgate` binary runs with, so the figures are the gateway's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const JSON: &[u8] = br#"{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}"#;
 /// The size of the buffer a connection reads a response into.
 const READ_BUFFER: usize = 8 * 1024;

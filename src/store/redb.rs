@@ -753,6 +753,7 @@ impl Writer {
             #[cfg(test)]
             self.commits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::trace!(changes = dones.len(), "redb group commit");
             txn.commit().map_err(|e| (Arc::new(e.into()), true))
         } else {
             txn.abort().map_err(|e| fail(e.into()))

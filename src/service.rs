@@ -285,9 +285,14 @@ impl Keyed {
         let mut poll = WAIT_POLL_MIN;
         let token = OwnerToken::generate();
         let claim = loop {
-            let claim =
-                ClaimAttempt::start(&self.shared, self.record, self.fingerprint, token, options)
-                    .await;
+            let claim = ClaimAttempt::start(
+                &self.shared,
+                &self.record,
+                &self.fingerprint,
+                token,
+                &options,
+            )
+            .await;
             if claim.is_err() {
                 self.shared.stats.count_store_error();
             }
@@ -744,7 +749,7 @@ fn undo_claim(
     });
 }
 
-type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+type ClaimFuture<'a> = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send + 'a>>;
 
 /// One claim, awaited in the caller's task, bounded by the store timeout.
 ///
@@ -752,41 +757,34 @@ type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send
 /// always does). Dropped before the store answered (the client hung up), it undoes the claim
 /// it may have made (see [`undo_claim`]); a timeout is undone by the caller, like any failed
 /// claim.
-struct ClaimAttempt {
+struct ClaimAttempt<'a> {
     /// The store call, until it answers or times out.
-    pending: Option<ClaimFuture>,
+    pending: Option<ClaimFuture<'a>>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
-    store: Arc<dyn crate::store::Store>,
+    shared: &'a Shared,
     record: RecordKey,
     token: OwnerToken,
-    timeout: Duration,
 }
 
-impl ClaimAttempt {
+impl<'a> ClaimAttempt<'a> {
     fn start(
-        shared: &Shared,
-        record: RecordKey,
-        fingerprint: FingerprintHash,
+        shared: &'a Shared,
+        record: &'a RecordKey,
+        fingerprint: &'a FingerprintHash,
         token: OwnerToken,
-        options: ClaimOptions,
+        options: &'a ClaimOptions,
     ) -> Self {
-        let store = Arc::clone(&shared.store);
-        let claim = {
-            let store = Arc::clone(&store);
-            async move { store.claim(&record, &fingerprint, token, &options).await }
-        };
         Self {
-            pending: Some(Box::pin(claim)),
+            pending: Some(shared.store.claim(record, fingerprint, token, options)),
             deadline: None,
-            store,
-            record,
+            shared,
+            record: *record,
             token,
-            timeout: shared.store_timeout,
         }
     }
 }
 
-impl Future for ClaimAttempt {
+impl Future for ClaimAttempt<'_> {
     type Output = Result<Claim, StoreError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -798,7 +796,7 @@ impl Future for ClaimAttempt {
             this.pending = None;
             return Poll::Ready(result);
         }
-        let timeout = this.timeout;
+        let timeout = this.shared.store_timeout;
         let deadline = this
             .deadline
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
@@ -806,7 +804,7 @@ impl Future for ClaimAttempt {
             Poll::Ready(()) => {
                 this.pending = None;
                 Poll::Ready(Err(StoreError::Timeout {
-                    backend: this.store.backend(),
+                    backend: this.shared.store.backend(),
                     after: timeout,
                 }))
             }
@@ -815,14 +813,14 @@ impl Future for ClaimAttempt {
     }
 }
 
-impl Drop for ClaimAttempt {
+impl Drop for ClaimAttempt<'_> {
     fn drop(&mut self) {
         if self.pending.take().is_some() {
             undo_claim(
-                Arc::clone(&self.store),
+                Arc::clone(&self.shared.store),
                 self.record,
                 self.token,
-                self.timeout,
+                self.shared.store_timeout,
             );
         }
     }

@@ -258,7 +258,7 @@ impl Keyed {
     /// itself, so a replay or a refusal costs no task of its own; only once the claim is
     /// acquired does the work move to a task of its own, because from then on it must not
     /// depend on the caller staying: a client that hangs up must not cancel an upstream call
-    /// half-way, nor leave a claim behind that never ran (see [`ClaimAttempt`]).
+    /// half-way, nor leave a claim behind that never ran (see [`UndoClaim`]).
     async fn run<S, ReqB, ResB>(
         self,
         inner: S,
@@ -285,16 +285,20 @@ impl Keyed {
         let mut poll = WAIT_POLL_MIN;
         let token = OwnerToken::generate();
         let claim = loop {
-            let claim = ClaimAttempt::start(
-                &self.shared,
-                &self.record,
-                &self.fingerprint,
+            // Awaited in the caller's task. Until the store has answered, a claim may have
+            // landed that nobody will run: dropped armed (the store failed or timed out, or the
+            // client hung up), the guard undoes it.
+            let undo = UndoClaim {
+                shared: &self.shared,
+                record: self.record,
                 token,
-                &options,
-            )
-            .await;
-            if claim.is_err() {
-                self.shared.stats.count_store_error();
+            };
+            let store = &self.shared.store;
+            let claim = self
+                .store_call(store.claim(&self.record, &self.fingerprint, token, &options))
+                .await;
+            if claim.is_ok() {
+                undo.disarm();
             }
             match claim {
                 Ok(Claim::InFlight { .. })
@@ -306,9 +310,6 @@ impl Keyed {
                 other => break other,
             }
         };
-        if claim.is_err() {
-            self.undo_claim(token);
-        }
         let answer = match claim {
             Ok(Claim::Acquired(token)) => {
                 // No await between the claim and this spawn: once acquired, the claim is
@@ -371,16 +372,6 @@ impl Keyed {
             },
         };
         Ok(answer)
-    }
-
-    /// See [`undo_claim`].
-    fn undo_claim(&self, token: OwnerToken) {
-        undo_claim(
-            self.shared.store.clone(),
-            self.record,
-            token,
-            self.shared.store_timeout,
-        );
     }
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
@@ -722,107 +713,43 @@ impl<F: Future> Future for Bounded<F> {
 
 /// A claim whose answer was lost (a timeout, a dropped connection, a client that hung up
 /// while it was on its way) may still have landed in the store, holding the key for a request
-/// that never ran. Release it with the token it would carry: fenced, so it removes that claim
-/// and nothing else. Stores apply one caller's commands in order, so the release lands after
-/// a late claim.
-fn undo_claim(
-    store: Arc<dyn crate::store::Store>,
-    record: RecordKey,
-    token: OwnerToken,
-    timeout: Duration,
-) {
-    // Without a runtime (the caller dropped outside one) the claim lapses with its lease.
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        for attempt in 0..UNDO_ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(timeout).await;
-            }
-            if let Ok(Ok(_)) = tokio::time::timeout(timeout, store.release(&record, token)).await
-            {
-                return;
-            }
-        }
-        tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
-    });
-}
-
-type ClaimFuture<'a> = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send + 'a>>;
-
-/// One claim, awaited in the caller's task, bounded by the store timeout.
-///
-/// The deadline is set only if the store does not answer at its first poll (the memory store
-/// always does). Dropped before the store answered (the client hung up), it undoes the claim
-/// it may have made (see [`undo_claim`]); a timeout is undone by the caller, like any failed
-/// claim.
-struct ClaimAttempt<'a> {
-    /// The store call, until it answers or times out.
-    pending: Option<ClaimFuture<'a>>,
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+/// that never ran. Dropped without [`disarm`](Self::disarm), this releases it with the token
+/// it would carry: fenced, so it removes that claim and nothing else. Stores apply one
+/// caller's commands in order, so the release lands after a late claim.
+struct UndoClaim<'a> {
     shared: &'a Shared,
     record: RecordKey,
     token: OwnerToken,
 }
 
-impl<'a> ClaimAttempt<'a> {
-    fn start(
-        shared: &'a Shared,
-        record: &'a RecordKey,
-        fingerprint: &'a FingerprintHash,
-        token: OwnerToken,
-        options: &'a ClaimOptions,
-    ) -> Self {
-        Self {
-            pending: Some(shared.store.claim(record, fingerprint, token, options)),
-            deadline: None,
-            shared,
-            record: *record,
-            token,
-        }
+impl UndoClaim<'_> {
+    /// The store answered: there is nothing to undo.
+    fn disarm(self) {
+        mem::forget(self);
     }
 }
 
-impl Future for ClaimAttempt<'_> {
-    type Output = Result<Claim, StoreError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let Some(claim) = this.pending.as_mut() else {
-            panic!("ClaimAttempt polled after completion");
-        };
-        if let Poll::Ready(result) = claim.as_mut().poll(cx) {
-            this.pending = None;
-            return Poll::Ready(result);
-        }
-        let timeout = this.shared.store_timeout;
-        let deadline = this
-            .deadline
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        match deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                this.pending = None;
-                Poll::Ready(Err(StoreError::Timeout {
-                    backend: this.shared.store.backend(),
-                    after: timeout,
-                }))
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for ClaimAttempt<'_> {
+impl Drop for UndoClaim<'_> {
     fn drop(&mut self) {
-        if self.pending.take().is_some() {
-            undo_claim(
-                Arc::clone(&self.shared.store),
-                self.record,
-                self.token,
-                self.shared.store_timeout,
-            );
-        }
+        // Without a runtime (the caller dropped outside one) the claim lapses with its lease.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = Arc::clone(&self.shared.store);
+        let (record, token, timeout) = (self.record, self.token, self.shared.store_timeout);
+        runtime.spawn(async move {
+            for attempt in 0..UNDO_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(timeout).await;
+                }
+                if let Ok(Ok(_)) =
+                    tokio::time::timeout(timeout, store.release(&record, token)).await
+                {
+                    return;
+                }
+            }
+            tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
+        });
     }
 }
 

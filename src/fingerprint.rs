@@ -5,7 +5,7 @@
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::record::{FingerprintHash, RecordKey};
+use crate::record::{FingerprintHash, Hash256, RecordKey};
 
 /// A SHA-256 fed with length-prefixed fields.
 struct Fields(Sha256);
@@ -32,8 +32,17 @@ impl Fields {
         }
     }
 
-    fn finish(self) -> crate::record::Hash256 {
-        crate::record::Hash256(self.0.finalize().into())
+    /// The named headers in order, prefixed by their count: each name, then its values.
+    fn headers(&mut self, headers: &HeaderMap, names: &[HeaderName]) {
+        self.0.update((names.len() as u64).to_be_bytes());
+        for name in names {
+            self.field(name.as_str().as_bytes());
+            self.header(headers, name);
+        }
+    }
+
+    fn finish(self) -> Hash256 {
+        Hash256(self.0.finalize().into())
     }
 }
 
@@ -53,11 +62,7 @@ pub fn fingerprint(
             .map_or("/", |pq| pq.as_str())
             .as_bytes(),
     );
-    f.0.update((fingerprint_headers.len() as u64).to_be_bytes());
-    for name in fingerprint_headers {
-        f.field(name.as_str().as_bytes());
-        f.header(headers, name);
-    }
+    f.headers(headers, fingerprint_headers);
     f.field(body);
     f.finish()
 }
@@ -72,11 +77,7 @@ pub fn record_key(
 ) -> RecordKey {
     let mut f = Fields::new(b"idemgate/record/v1");
     f.field(route.as_bytes());
-    f.0.update((scope_headers.len() as u64).to_be_bytes());
-    for name in scope_headers {
-        f.field(name.as_str().as_bytes());
-        f.header(headers, name);
-    }
+    f.headers(headers, scope_headers);
     f.field(key.as_bytes());
     f.finish()
 }

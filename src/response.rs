@@ -415,13 +415,8 @@ impl Problem {
 }
 
 /// A replay of a stored response: its status, headers and body, plus
-/// `Idempotent-Replayed: true`.
-pub fn replay(stored: &StoredResponse) -> Response<Bytes> {
-    into_replay(stored.clone())
-}
-
-/// [`replay`] of a stored response the caller owns (a store that decodes each record hands
-/// out a fresh one): its header map becomes the response's as it is, with no copy.
+/// `Idempotent-Replayed: true`. Taken by value: its header map becomes the response's as it
+/// is, with no copy (a store that decodes each record hands out a fresh one).
 pub fn into_replay(stored: StoredResponse) -> Response<Bytes> {
     let mut response = Response::new(stored.body);
     *response.status_mut() = stored.status;
@@ -637,7 +632,7 @@ mod tests {
             headers,
             body: Bytes::from_static(b"hi"),
         };
-        let r = replay(&stored);
+        let r = into_replay(stored);
         assert_eq!(r.status(), StatusCode::CREATED);
         assert_eq!(r.headers()[IDEMPOTENT_REPLAYED], "true");
         assert_eq!(

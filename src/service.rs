@@ -158,7 +158,8 @@ fn tag<B>(
     response
 }
 
-/// Reads a keyed request's body, finds its key, and hands the rest to a task of its own.
+/// Reads a keyed request's body, finds its key and fingerprint, and hands the rest to
+/// [`Keyed::run`].
 async fn handle_keyed<S, ReqB, ResB>(
     shared: Arc<Shared>,
     route: Arc<Route>,
@@ -604,7 +605,7 @@ impl Keyed {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let timeout = self.shared.store_timeout;
-        let result = match (Bounded::new(call, timeout)).await {
+        let result = match Bounded::new(call, timeout).await {
             Some(result) => result,
             None => Err(StoreError::Timeout {
                 backend: self.shared.store.backend(),

@@ -528,26 +528,20 @@ impl Keyed {
 
     /// Renews the lease at a third of its length; never ends (dropped when the work is done).
     async fn keep_lease(&self, token: OwnerToken) -> Infallible {
-        let store = &self.shared.store;
         let lease = self.route.policy.lease;
-        let timeout = self.shared.store_timeout;
-        let stats = &self.shared.stats;
         let record = &self.record;
         loop {
             tokio::time::sleep(lease / 3).await;
-            match tokio::time::timeout(timeout, store.renew(record, token, lease)).await {
-                Ok(Ok(Transition::Applied)) => {}
-                Ok(Ok(Transition::Fenced)) => {
+            let renewal = self.store_call(self.shared.store.renew(record, token, lease));
+            match renewal.await {
+                Ok(Transition::Applied) => {}
+                Ok(Transition::Fenced) => {
                     tracing::warn!(record = %record.short(), "lease lost to another owner while the request ran");
                     break;
                 }
-                Ok(Err(error)) => {
-                    stats.count_store_error();
+                // A timeout is a `StoreError::Timeout`, counted like any failure.
+                Err(error) => {
                     tracing::warn!(record = %record.short(), %error, "lease renewal failed");
-                }
-                Err(_) => {
-                    stats.count_store_error();
-                    tracing::warn!(record = %record.short(), "lease renewal timed out");
                 }
             }
         }

@@ -122,7 +122,10 @@ impl StatusSet {
 
     /// Whether `status` is in the set.
     pub fn contains(&self, status: StatusCode) -> bool {
-        let code = status.as_u16();
+        self.has(status.as_u16())
+    }
+
+    fn has(&self, code: u16) -> bool {
         code < 640 && self.0[(code / 64) as usize] & (1 << (code % 64)) != 0
     }
 
@@ -172,11 +175,9 @@ impl fmt::Debug for StatusSet {
         let mut list = f.debug_list();
         let mut code = 0u16;
         while code < 640 {
-            if self.0[(code / 64) as usize] & (1 << (code % 64)) != 0 {
+            if self.has(code) {
                 let start = code;
-                while code + 1 < 640
-                    && self.0[((code + 1) / 64) as usize] & (1 << ((code + 1) % 64)) != 0
-                {
+                while self.has(code + 1) {
                     code += 1;
                 }
                 if start == code {

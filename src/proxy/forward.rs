@@ -206,12 +206,9 @@ fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
 /// Nothing of the client's target but its path and query is used.
 pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
     let pq = target.path_and_query().map_or("/", PathAndQuery::as_str);
-    let pq = if pq.starts_with('/') {
-        pq.to_owned()
-    } else {
-        format!("/{pq}")
-    };
-    let path_and_query: PathAndQuery = format!("{}{pq}", upstream.base_path).parse().ok()?;
+    // `*` (OPTIONS) and the like get the `/` a path must start with.
+    let slash = if pq.starts_with('/') { "" } else { "/" };
+    let path_and_query: PathAndQuery = format!("{}{slash}{pq}", upstream.base_path).parse().ok()?;
     Uri::builder()
         .scheme(Scheme::HTTP)
         .authority(upstream.authority.clone())

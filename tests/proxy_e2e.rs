@@ -149,11 +149,7 @@ async fn in_flight_same_is_409_with_retry_after_and_different_is_422() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-3"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async {
-        (s.upstream.hits("/slow") == 1).then_some(())
-    })
-    .await
-    .expect("the first request reaches the upstream");
+    s.upstream.wait_for_hit("/slow").await;
     let busy = send("POST", &url, &[key("k-3")], "x").await;
     assert_eq!(busy.status, 409);
     assert_eq!(
@@ -179,11 +175,7 @@ async fn in_flight_same_on_a_wait_route_waits_and_replays() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-4"), ("x-delay-ms", "800")], "x").await }
     });
-    eventually(100, || async {
-        (s.upstream.hits("/wait/op") == 1).then_some(())
-    })
-    .await
-    .expect("the first request reaches the upstream");
+    s.upstream.wait_for_hit("/wait/op").await;
     let waited = send("POST", &url, &[key("k-4")], "x").await;
     assert_eq!(waited.status, 201, "{}", waited.text());
     assert!(waited.replayed());
@@ -386,11 +378,7 @@ async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
         tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
             .await
             .unwrap();
-        eventually(100, || async {
-            (s.upstream.hits("/hangup") == 1).then_some(())
-        })
-        .await
-        .expect("the request reaches the upstream");
+        s.upstream.wait_for_hit("/hangup").await;
         // The client goes away before the answer.
     }
     let replay = eventually(100, || async {
@@ -471,11 +459,7 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-term"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async {
-        (upstream.hits("/drain") == 1).then_some(())
-    })
-    .await
-    .expect("the request reaches the upstream");
+    upstream.wait_for_hit("/drain").await;
     gw.sigterm();
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201, "the open request is answered");

@@ -134,6 +134,14 @@ impl TestUpstream {
             .unwrap_or(0)
     }
 
+    /// Waits (polling, at most 5 s) until one request has reached the handler on `path`;
+    /// panics if none does.
+    pub async fn wait_for_hit(&self, path: &str) {
+        eventually(100, || async { (self.hits(path) == 1).then_some(()) })
+            .await
+            .unwrap_or_else(|| panic!("no request on {path} reached the upstream"));
+    }
+
     /// Requests that reached the handler on any path.
     pub fn total_hits(&self) -> u64 {
         self.state.hits.lock().unwrap().values().sum()

@@ -70,11 +70,13 @@ pub async fn handle<B>(
         (&Method::GET, "/healthz") => text("ok\n"),
         (&Method::GET, "/readyz") => readyz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state),
-        (method, "/keys") if is_record_method(method) => match refusal(&state, req.headers()) {
-            None => by_key(&state, method, req.uri().query().unwrap_or("")).await,
-            Some(denied) => denied,
-        },
-        (method, p) if p.starts_with("/records/") && is_record_method(method) => {
+        (method, "/keys") if RECORD_METHODS.contains(method) => {
+            match refusal(&state, req.headers()) {
+                None => by_key(&state, method, req.uri().query().unwrap_or("")).await,
+                Some(denied) => denied,
+            }
+        }
+        (method, p) if p.starts_with("/records/") && RECORD_METHODS.contains(method) => {
             match refusal(&state, req.headers()) {
                 None => match Hash256::from_hex(&p["/records/".len()..]) {
                     Some(key) => record(&state, method, key).await,
@@ -94,10 +96,6 @@ pub async fn handle<B>(
         )),
     };
     Ok(response)
-}
-
-fn is_record_method(method: &Method) -> bool {
-    *method == Method::GET || *method == Method::DELETE
 }
 
 async fn readyz(state: &AdminState) -> Response<AdminBody> {

@@ -65,8 +65,7 @@ pub async fn handle<B>(
     state: Arc<AdminState>,
     req: Request<B>,
 ) -> Result<Response<AdminBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let response = match (req.method(), path.as_str()) {
+    let response = match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text("ok\n"),
         (&Method::GET, "/readyz") => readyz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state),

@@ -112,12 +112,15 @@ async fn readyz(state: &AdminState) -> Response<AdminBody> {
 }
 
 fn metrics(state: &AdminState) -> Response<AdminBody> {
-    let body = state.metrics.render(LayerCounters {
-        store_errors: state.stats.store_errors(),
-        fenced_completions: state.stats.fenced_completions(),
-        unprotected_passes: state.stats.unprotected_passes(),
-        in_flight: state.stats.in_flight(),
-    });
+    let body = state.metrics.render(
+        state.store.backend(),
+        LayerCounters {
+            store_errors: state.stats.store_errors(),
+            fenced_completions: state.stats.fenced_completions(),
+            unprotected_passes: state.stats.unprotected_passes(),
+            in_flight: state.stats.in_flight(),
+        },
+    );
     let mut response = Response::new(Full::new(Bytes::from(body)));
     response.headers_mut().insert(
         CONTENT_TYPE,

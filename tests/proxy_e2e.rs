@@ -486,17 +486,13 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
     // Nothing listens there: every store call fails.
     let store = format!("redis://{}", free_addr());
     let dir = TempDir::new();
-    let closed = dir.write("closed.toml", "store_timeout = \"500ms\"\n");
-    let gw = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--store",
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
         &store,
-        "--config",
-        closed.to_str().unwrap(),
-        "--admin-token",
-        TOKEN,
-    ]);
+        "store_timeout = \"500ms\"\n",
+        &["--admin-token", TOKEN],
+    );
     let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem_type(), "urn:idemgate:problem:store-unavailable");
@@ -523,18 +519,13 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
     );
     drop(gw);
 
-    let open = dir.write(
-        "open.toml",
-        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
-    );
-    let gw = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--store",
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
         &store,
-        "--config",
-        open.to_str().unwrap(),
-    ]);
+        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
+        &[],
+    );
     let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
     assert_eq!(r.status, 201, "forwarded unprotected");
     assert_eq!(upstream.hits("/pay"), 2);

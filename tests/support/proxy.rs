@@ -247,6 +247,33 @@ impl Gateway {
         Self::start_with(args, &[])
     }
 
+    /// Starts `idemgate` in front of `upstream` on the store `store`, with `config` as its TOML
+    /// file (written into `dir`), then `extra` arguments.
+    pub fn start_configured(
+        dir: &TempDir,
+        upstream: &TestUpstream,
+        store: &str,
+        config: &str,
+        extra: &[&str],
+    ) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let file = dir.write(
+            &format!("gateway-{}.toml", N.fetch_add(1, Ordering::Relaxed)),
+            config,
+        );
+        let url = upstream.url();
+        let mut args = vec![
+            "--upstream",
+            &url,
+            "--store",
+            store,
+            "--config",
+            file.to_str().expect("a UTF-8 temp path"),
+        ];
+        args.extend_from_slice(extra);
+        Self::start(&args)
+    }
+
     /// As [`Gateway::start`], with environment variables set on the child.
     pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = gateway_command();

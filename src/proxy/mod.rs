@@ -1,7 +1,8 @@
 //! The `idemgate` reverse proxy: the layer in front of any HTTP upstream.
 //!
 //! ```text
-//! idemgate [--config FILE] [--listen ADDR] [--upstream URL] [--store STORE] [--ttl DURATION] [--admin-listen ADDR]
+//! idemgate [--config FILE] [--listen ADDR] [--upstream URL] [--store STORE] [--ttl DURATION]
+//!          [--admin-listen ADDR] [--admin-token TOKEN] [--log-format text|json]
 //! idemgate --check-config --config FILE
 //! STORE: memory | redb:PATH | redis://HOST:PORT[/DB]
 //! ```

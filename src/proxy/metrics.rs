@@ -367,7 +367,6 @@ impl InstrumentedStore {
         };
         let result = call.await;
         guard.done = true;
-        guard.op.duration.observe(guard.start.elapsed());
         if result.is_err() {
             guard.op.errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -375,6 +374,7 @@ impl InstrumentedStore {
     }
 }
 
+/// Times one store call when dropped, whether it answered or was abandoned (`done` unset).
 struct CallGuard<'a> {
     op: &'a StoreOpMetrics,
     start: Instant,
@@ -383,9 +383,9 @@ struct CallGuard<'a> {
 
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
+        self.op.duration.observe(self.start.elapsed());
         if !self.done {
             self.op.cancelled.fetch_add(1, Ordering::Relaxed);
-            self.op.duration.observe(self.start.elapsed());
         }
     }
 }

@@ -155,8 +155,8 @@ pub struct LayerCounters {
 pub struct Metrics {
     requests: Mutex<BTreeMap<(Arc<str>, &'static str), u64>>,
     upstream: Histogram,
-    upstream_errors: [AtomicU64; 3],
-    store_ops: [StoreOpMetrics; 8],
+    upstream_errors: [AtomicU64; UpstreamErrorKind::ALL.len()],
+    store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
 }
 

@@ -42,23 +42,6 @@ fn assert_store_unavailable(r: &Resp) {
     assert!(retry_after(r) >= 1, "{:?}", r.headers);
 }
 
-/// A gateway in front of `upstream` on the store `store`, with `config` as its TOML file.
-fn gateway(dir: &TempDir, upstream: &TestUpstream, store: &str, config: &str) -> Gateway {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let file = dir.write(
-        &format!("gateway-{}.toml", N.fetch_add(1, Ordering::Relaxed)),
-        config,
-    );
-    Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--store",
-        store,
-        "--config",
-        file.to_str().expect("a UTF-8 temp path"),
-    ])
-}
-
 // ---- two gateways, one Redis --------------------------------------------------------------
 
 #[cfg(feature = "redis")]
@@ -68,8 +51,8 @@ async fn two_gateways_on_one_redis_execute_fifty_concurrent_requests_once() {
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
     let gateways = [
-        gateway(&dir, &upstream, &redis.url(), ""),
-        gateway(&dir, &upstream, &redis.url(), ""),
+        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
+        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
     ];
     let urls = gateways.each_ref().map(|gw| gw.url("/race"));
 
@@ -177,7 +160,13 @@ async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart(
     let mut redis = redis_server::RedisServer::start();
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
-    let mut gw = gateway(&dir, &upstream, &redis.url(), "store_timeout = \"500ms\"\n");
+    let mut gw = Gateway::start_configured(
+        &dir,
+        &upstream,
+        &redis.url(),
+        "store_timeout = \"500ms\"\n",
+        &[],
+    );
     let url = gw.url("");
 
     let log: Arc<std::sync::Mutex<Vec<Sent>>> = Arc::default();
@@ -295,7 +284,13 @@ async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
     let redis = redis_server::RedisServer::start();
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
-    let gw = gateway(&dir, &upstream, &redis.url(), "store_timeout = \"1s\"\n");
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
+        &redis.url(),
+        "store_timeout = \"1s\"\n",
+        &[],
+    );
 
     let warm = send("POST", &gw.url("/hung/warm"), &[key("k-warm")], "x").await;
     assert_eq!(warm.status, 201, "{}", warm.text());
@@ -346,7 +341,7 @@ async fn redb_records_survive_kill_9_of_the_gateway() {
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
     let store = format!("redb:{}", dir.path().join("records.redb").display());
-    let mut gw = gateway(&dir, &upstream, &store, "");
+    let mut gw = Gateway::start_configured(&dir, &upstream, &store, "", &[]);
 
     let first = send(
         "POST",
@@ -365,7 +360,7 @@ async fn redb_records_survive_kill_9_of_the_gateway() {
         "killed by SIGKILL, no drain: {status:?}"
     );
 
-    let gw = gateway(&dir, &upstream, &store, "");
+    let gw = Gateway::start_configured(&dir, &upstream, &store, "", &[]);
     let retry = send(
         "POST",
         &gw.url("/charges"),

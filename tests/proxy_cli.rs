@@ -36,12 +36,10 @@ fn shipped_configs_pass_check_config() {
         let out = run(&["--check-config", "--config", &sample(name)], &[]);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         assert!(stdout(&out).starts_with("ok"), "{name}: {}", stdout(&out));
+        if name == "webhooks.toml" {
+            assert!(stdout(&out).contains("4 route(s)"), "{}", stdout(&out));
+        }
     }
-    let out = run(
-        &["--check-config", "--config", &sample("webhooks.toml")],
-        &[],
-    );
-    assert!(stdout(&out).contains("4 route(s)"), "{}", stdout(&out));
 }
 
 #[test]

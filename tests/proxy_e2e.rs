@@ -149,11 +149,7 @@ async fn in_flight_same_is_409_with_retry_after_and_different_is_422() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-3"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async {
-        (s.upstream.hits("/slow") == 1).then_some(())
-    })
-    .await
-    .expect("the first request reaches the upstream");
+    s.upstream.wait_for_hit("/slow").await;
     let busy = send("POST", &url, &[key("k-3")], "x").await;
     assert_eq!(busy.status, 409);
     assert_eq!(
@@ -179,11 +175,7 @@ async fn in_flight_same_on_a_wait_route_waits_and_replays() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-4"), ("x-delay-ms", "800")], "x").await }
     });
-    eventually(100, || async {
-        (s.upstream.hits("/wait/op") == 1).then_some(())
-    })
-    .await
-    .expect("the first request reaches the upstream");
+    s.upstream.wait_for_hit("/wait/op").await;
     let waited = send("POST", &url, &[key("k-4")], "x").await;
     assert_eq!(waited.status, 201, "{}", waited.text());
     assert!(waited.replayed());
@@ -386,11 +378,7 @@ async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
         tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
             .await
             .unwrap();
-        eventually(100, || async {
-            (s.upstream.hits("/hangup") == 1).then_some(())
-        })
-        .await
-        .expect("the request reaches the upstream");
+        s.upstream.wait_for_hit("/hangup").await;
         // The client goes away before the answer.
     }
     let replay = eventually(100, || async {
@@ -471,11 +459,7 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
         let url = url.clone();
         async move { send("POST", &url, &[key("k-term"), ("x-delay-ms", "1000")], "x").await }
     });
-    eventually(100, || async {
-        (upstream.hits("/drain") == 1).then_some(())
-    })
-    .await
-    .expect("the request reaches the upstream");
+    upstream.wait_for_hit("/drain").await;
     gw.sigterm();
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201, "the open request is answered");
@@ -502,17 +486,13 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
     // Nothing listens there: every store call fails.
     let store = format!("redis://{}", free_addr());
     let dir = TempDir::new();
-    let closed = dir.write("closed.toml", "store_timeout = \"500ms\"\n");
-    let gw = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--store",
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
         &store,
-        "--config",
-        closed.to_str().unwrap(),
-        "--admin-token",
-        TOKEN,
-    ]);
+        "store_timeout = \"500ms\"\n",
+        &["--admin-token", TOKEN],
+    );
     let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem_type(), "urn:idemgate:problem:store-unavailable");
@@ -539,18 +519,13 @@ async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
     );
     drop(gw);
 
-    let open = dir.write(
-        "open.toml",
-        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
-    );
-    let gw = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--store",
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
         &store,
-        "--config",
-        open.to_str().unwrap(),
-    ]);
+        "store_timeout = \"500ms\"\non_store_error = \"pass\"\n",
+        &[],
+    );
     let r = send("POST", &gw.url("/pay"), &[key("k-store")], "x").await;
     assert_eq!(r.status, 201, "forwarded unprotected");
     assert_eq!(upstream.hits("/pay"), 2);

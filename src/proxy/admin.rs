@@ -65,16 +65,17 @@ pub async fn handle<B>(
     state: Arc<AdminState>,
     req: Request<B>,
 ) -> Result<Response<AdminBody>, Infallible> {
-    let path = req.uri().path().to_owned();
-    let response = match (req.method(), path.as_str()) {
+    let response = match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => text("ok\n"),
         (&Method::GET, "/readyz") => readyz(&state).await,
         (&Method::GET, "/metrics") => metrics(&state),
-        (method, "/keys") if is_record_method(method) => match refusal(&state, req.headers()) {
-            None => by_key(&state, method, req.uri().query().unwrap_or("")).await,
-            Some(denied) => denied,
-        },
-        (method, p) if p.starts_with("/records/") && is_record_method(method) => {
+        (method, "/keys") if RECORD_METHODS.contains(method) => {
+            match refusal(&state, req.headers()) {
+                None => by_key(&state, method, req.uri().query().unwrap_or("")).await,
+                Some(denied) => denied,
+            }
+        }
+        (method, p) if p.starts_with("/records/") && RECORD_METHODS.contains(method) => {
             match refusal(&state, req.headers()) {
                 None => match Hash256::from_hex(&p["/records/".len()..]) {
                     Some(key) => record(&state, method, key).await,
@@ -96,10 +97,6 @@ pub async fn handle<B>(
     Ok(response)
 }
 
-fn is_record_method(method: &Method) -> bool {
-    *method == Method::GET || *method == Method::DELETE
-}
-
 async fn readyz(state: &AdminState) -> Response<AdminBody> {
     if state.draining.load(Ordering::Relaxed) {
         return problem(Problem::not_ready(
@@ -115,12 +112,15 @@ async fn readyz(state: &AdminState) -> Response<AdminBody> {
 }
 
 fn metrics(state: &AdminState) -> Response<AdminBody> {
-    let body = state.metrics.render(LayerCounters {
-        store_errors: state.stats.store_errors(),
-        fenced_completions: state.stats.fenced_completions(),
-        unprotected_passes: state.stats.unprotected_passes(),
-        in_flight: state.stats.in_flight(),
-    });
+    let body = state.metrics.render(
+        state.store.backend(),
+        LayerCounters {
+            store_errors: state.stats.store_errors(),
+            fenced_completions: state.stats.fenced_completions(),
+            unprotected_passes: state.stats.unprotected_passes(),
+            in_flight: state.stats.in_flight(),
+        },
+    );
     let mut response = Response::new(Full::new(Bytes::from(body)));
     response.headers_mut().insert(
         CONTENT_TYPE,
@@ -345,7 +345,7 @@ fn problem(problem: Problem) -> Response<AdminBody> {
 /// Why a store call failed: its error, or `None` when it did not answer in time.
 fn store_failure(state: &AdminState, error: Option<&StoreError>) -> String {
     match error {
-        Some(error) => format!("the store failed: {}", super::error_chain(error)),
+        Some(error) => format!("the store failed: {}", super::ErrorChain(error)),
         None => format!(
             "the store did not answer within {} ms",
             state.store_timeout.as_millis()

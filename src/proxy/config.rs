@@ -296,7 +296,7 @@ pub struct Overrides {
     pub store: Option<String>,
     /// `--ttl` / `IDEMGATE_TTL`.
     pub ttl: Option<String>,
-    /// `IDEMGATE_ADMIN_TOKEN`.
+    /// `--admin-token` / `IDEMGATE_ADMIN_TOKEN`.
     pub admin_token: Option<String>,
 }
 

@@ -28,6 +28,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower_service::Service;
 
+use super::ErrorChain;
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use crate::headers::strip_hop_by_hop;
@@ -205,12 +206,9 @@ fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
 /// Nothing of the client's target but its path and query is used.
 pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
     let pq = target.path_and_query().map_or("/", PathAndQuery::as_str);
-    let pq = if pq.starts_with('/') {
-        pq.to_owned()
-    } else {
-        format!("/{pq}")
-    };
-    let path_and_query: PathAndQuery = format!("{}{pq}", upstream.base_path).parse().ok()?;
+    // `*` (OPTIONS) and the like get the `/` a path must start with.
+    let slash = if pq.starts_with('/') { "" } else { "/" };
+    let path_and_query: PathAndQuery = format!("{}{slash}{pq}", upstream.base_path).parse().ok()?;
     Uri::builder()
         .scheme(Scheme::HTTP)
         .authority(upstream.authority.clone())
@@ -268,21 +266,6 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, ip: IpAddr) {
 pub fn prepare_response_headers(headers: &mut http::HeaderMap) {
     strip_hop_by_hop(headers);
     headers.remove(IDEMPOTENT_REPLAYED);
-}
-
-/// Formats an error with its chain of causes on one line.
-struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
-    }
 }
 
 /// A response body: the upstream's, streamed, or one the gateway made.

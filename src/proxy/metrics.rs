@@ -155,9 +155,8 @@ pub struct LayerCounters {
 pub struct Metrics {
     requests: Mutex<BTreeMap<(Arc<str>, &'static str), u64>>,
     upstream: Histogram,
-    upstream_errors: [AtomicU64; 3],
-    store_ops: [StoreOpMetrics; 8],
-    store_backend: Mutex<&'static str>,
+    upstream_errors: [AtomicU64; UpstreamErrorKind::ALL.len()],
+    store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
 }
 
@@ -209,8 +208,9 @@ impl Metrics {
         self.open_connections.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Writes every metric in the Prometheus text exposition format (version 0.0.4).
-    pub fn render(&self, layer: LayerCounters) -> String {
+    /// Writes every metric in the Prometheus text exposition format (version 0.0.4); the
+    /// store metrics are labelled with `backend` (the store's [`Store::backend`]).
+    pub fn render(&self, backend: &str, layer: LayerCounters) -> String {
         let mut out = String::with_capacity(8 * 1024);
         out.push_str(
             "# HELP idemgate_requests_total Requests handled, by route and the gateway's decision.\n\
@@ -247,10 +247,6 @@ impl Metrics {
                 kind.as_str()
             );
         }
-        let backend = *self
-            .store_backend
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         out.push_str(
             "# HELP idemgate_store_duration_seconds Time one store call took, by operation.\n\
              # TYPE idemgate_store_duration_seconds histogram\n",
@@ -356,10 +352,6 @@ pub struct InstrumentedStore {
 impl InstrumentedStore {
     /// Wraps `inner`, reporting into `metrics`.
     pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
-        *metrics
-            .store_backend
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = inner.backend();
         Self { inner, metrics }
     }
 
@@ -375,7 +367,6 @@ impl InstrumentedStore {
         };
         let result = call.await;
         guard.done = true;
-        guard.op.duration.observe(guard.start.elapsed());
         if result.is_err() {
             guard.op.errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -383,6 +374,7 @@ impl InstrumentedStore {
     }
 }
 
+/// Times one store call when dropped, whether it answered or was abandoned (`done` unset).
 struct CallGuard<'a> {
     op: &'a StoreOpMetrics,
     start: Instant,
@@ -391,9 +383,9 @@ struct CallGuard<'a> {
 
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
+        self.op.duration.observe(self.start.elapsed());
         if !self.done {
             self.op.cancelled.fetch_add(1, Ordering::Relaxed);
-            self.op.duration.observe(self.start.elapsed());
         }
     }
 }
@@ -499,10 +491,13 @@ mod tests {
         m.count_request(&route, "executed");
         m.count_request(&route, "executed");
         m.count_request(&route, "replayed");
-        let text = m.render(LayerCounters {
-            in_flight: 4,
-            ..LayerCounters::default()
-        });
+        let text = m.render(
+            "memory",
+            LayerCounters {
+                in_flight: 4,
+                ..LayerCounters::default()
+            },
+        );
         assert!(
             text.contains(
                 "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n"

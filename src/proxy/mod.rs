@@ -1,7 +1,8 @@
 //! The `idemgate` reverse proxy: the layer in front of any HTTP upstream.
 //!
 //! ```text
-//! idemgate [--config FILE] [--listen ADDR] [--upstream URL] [--store STORE] [--ttl DURATION] [--admin-listen ADDR]
+//! idemgate [--config FILE] [--listen ADDR] [--upstream URL] [--store STORE] [--ttl DURATION]
+//!          [--admin-listen ADDR] [--admin-token TOKEN] [--log-format text|json]
 //! idemgate --check-config --config FILE
 //! STORE: memory | redb:PATH | redis://HOST:PORT[/DB]
 //! ```
@@ -98,7 +99,7 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref(), &cli.overrides()) {
         Ok(settings) => settings,
         Err(error) => {
-            eprintln!("idemgate: invalid configuration: {}", error_chain(&error));
+            eprintln!("idemgate: invalid configuration: {}", ErrorChain(&error));
             return ExitCode::from(2);
         }
     };
@@ -136,8 +137,8 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     match runtime.block_on(async { server::run(settings, shutdown_signal()).await }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!(error = %error_chain(&error), "idemgate could not start");
-            eprintln!("idemgate: {}", error_chain(&error));
+            tracing::error!(error = %ErrorChain(&error), "idemgate could not start");
+            eprintln!("idemgate: {}", ErrorChain(&error));
             ExitCode::FAILURE
         }
     }
@@ -177,14 +178,17 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
     }
 }
 
-/// An error and its causes on one line.
-pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
+/// An error and its causes on one line, formatted when written.
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
     }
-    text
 }

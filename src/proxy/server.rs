@@ -492,7 +492,7 @@ impl AsyncWrite for ActivityIo {
 /// The outermost per-connection service: tags each request with the client's address, and
 /// logs and counts what the layer decided.
 #[derive(Clone)]
-pub struct Front<S> {
+struct Front<S> {
     inner: S,
     peer: SocketAddr,
     metrics: Arc<Metrics>,

@@ -134,6 +134,14 @@ impl TestUpstream {
             .unwrap_or(0)
     }
 
+    /// Waits (polling, at most 5 s) until one request has reached the handler on `path`;
+    /// panics if none does.
+    pub async fn wait_for_hit(&self, path: &str) {
+        eventually(100, || async { (self.hits(path) == 1).then_some(()) })
+            .await
+            .unwrap_or_else(|| panic!("no request on {path} reached the upstream"));
+    }
+
     /// Requests that reached the handler on any path.
     pub fn total_hits(&self) -> u64 {
         self.state.hits.lock().unwrap().values().sum()
@@ -237,6 +245,33 @@ impl Gateway {
     /// Starts `idemgate` with `args`, listening on free ports, and waits for its first line.
     pub fn start(args: &[&str]) -> Self {
         Self::start_with(args, &[])
+    }
+
+    /// Starts `idemgate` in front of `upstream` on the store `store`, with `config` as its TOML
+    /// file (written into `dir`), then `extra` arguments.
+    pub fn start_configured(
+        dir: &TempDir,
+        upstream: &TestUpstream,
+        store: &str,
+        config: &str,
+        extra: &[&str],
+    ) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let file = dir.write(
+            &format!("gateway-{}.toml", N.fetch_add(1, Ordering::Relaxed)),
+            config,
+        );
+        let url = upstream.url();
+        let mut args = vec![
+            "--upstream",
+            &url,
+            "--store",
+            store,
+            "--config",
+            file.to_str().expect("a UTF-8 temp path"),
+        ];
+        args.extend_from_slice(extra);
+        Self::start(&args)
     }
 
     /// As [`Gateway::start`], with environment variables set on the child.

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use super::{
+    Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
+};
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 /// Most expired records removed under one shard lock by the background sweep, so no lock is
@@ -373,14 +375,6 @@ fn set_expiry(expiries: &mut BTreeSet<(Tick, RecordKey)>, key: &RecordKey, old: 
     }
 }
 
-/// Decodes a completion this store encoded.
-fn decode(encoded: Bytes) -> Result<Completion, StoreError> {
-    Completion::decode(encoded).map_err(|source| StoreError::Corrupt {
-        backend: "memory",
-        source,
-    })
-}
-
 /// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
 /// under the lock is a few infallible map operations), so a poisoned lock is taken as is.
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -474,7 +468,9 @@ impl Store for MemoryStore {
         };
         match attempt {
             Ok(claim) => Ok(claim),
-            Err(encoded) => Ok(Claim::Completed(Arc::new(decode(encoded)?))),
+            Err(encoded) => Ok(Claim::Completed(Arc::new(decode_completion(
+                "memory", encoded,
+            )?))),
         }
     }
 
@@ -575,7 +571,7 @@ impl Store for MemoryStore {
             // Decoded outside the shard's lock.
             Some(Err((fingerprint, encoded, stored_at))) => Ok(Some(Record::Completed {
                 fingerprint,
-                completion: decode(encoded)?,
+                completion: decode_completion("memory", encoded)?,
                 stored_at,
             })),
         }

@@ -461,8 +461,9 @@ impl Header {
     }
 }
 
+/// Decodes the completion bytes of a stored record (copied out of redb's page).
 fn decode_completion(bytes: &[u8]) -> Result<Completion, StoreError> {
-    Completion::decode(Bytes::copy_from_slice(bytes)).map_err(corrupt)
+    super::decode_completion(BACKEND, Bytes::copy_from_slice(bytes))
 }
 
 fn index_key(expires: u64, key: &[u8; 32]) -> [u8; 40] {

@@ -13,7 +13,9 @@ use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
-use super::{BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use super::{
+    BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
+};
 use crate::record::{
     Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
     from_unix_millis,
@@ -642,12 +644,10 @@ fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, StoreError> {
         (1, Some(Value::Int(left))) => Ok(Claim::InFlight {
             lease_remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
         }),
-        (2, Some(Value::BulkString(body))) => Completion::decode(Bytes::from(body))
-            .map(|c| Claim::Completed(Arc::new(c)))
-            .map_err(|source| StoreError::Corrupt {
-                backend: BACKEND,
-                source,
-            }),
+        (2, Some(Value::BulkString(body))) => Ok(Claim::Completed(Arc::new(decode_completion(
+            BACKEND,
+            Bytes::from(body),
+        )?))),
         (3, None) => Ok(Claim::Ambiguous),
         (4, None) => Ok(Claim::Mismatch),
         (5, None) => Err(corrupt("record with missing or unknown fields")),
@@ -684,11 +684,7 @@ fn decode_record(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreEr
         })),
         b"c" => {
             let body = body.ok_or_else(|| corrupt("completed record without a body"))?;
-            let completion =
-                Completion::decode(Bytes::from(body)).map_err(|source| StoreError::Corrupt {
-                    backend: BACKEND,
-                    source,
-                })?;
+            let completion = decode_completion(BACKEND, Bytes::from(body))?;
             Ok(Some(Record::Completed {
                 fingerprint,
                 completion,

@@ -200,10 +200,11 @@ impl RedisStore {
         let store = Self::connect_lazy(config)?;
         let mut connection = store.connection.clone();
         let ping = redis::cmd("PING");
+        let fail = |what, source| connect_error(&store.display_url, what, source);
         match tokio::time::timeout(bound, ping.query_async::<()>(&mut connection)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(store.connect_error("cannot connect", Some(e.into()))),
-            Err(_) => return Err(store.connect_error("timed out connecting", None)),
+            Ok(Err(e)) => return Err(fail("cannot connect", Some(e.into()))),
+            Err(_) => return Err(fail("timed out connecting", None)),
         }
         store.check_eviction_policy().await?;
         Ok(store)
@@ -217,14 +218,7 @@ impl RedisStore {
     /// runs as a task on it).
     pub fn connect_lazy(config: RedisStoreConfig) -> Result<Self, StoreError> {
         let display_url: Arc<str> = redact_url(&config.url).into();
-        let fail = |what, source: Option<BoxError>| StoreError::Unavailable {
-            backend: BACKEND,
-            source: Box::new(ConnectError {
-                url: display_url.to_string(),
-                what,
-                source,
-            }),
-        };
+        let fail = |what, source| connect_error(&display_url, what, source);
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(fail(
                 "the store must be set up inside a Tokio runtime",
@@ -367,16 +361,18 @@ impl RedisStore {
             after: self.timeout,
         }
     }
+}
 
-    fn connect_error(&self, what: &'static str, source: Option<BoxError>) -> StoreError {
-        StoreError::Unavailable {
-            backend: BACKEND,
-            source: Box::new(ConnectError {
-                url: self.display_url.to_string(),
-                what,
-                source,
-            }),
-        }
+/// A [`StoreError::Unavailable`] for a store that could not be set up or reach Redis at
+/// `url` (already redacted).
+fn connect_error(url: &str, what: &'static str, source: Option<BoxError>) -> StoreError {
+    StoreError::Unavailable {
+        backend: BACKEND,
+        source: Box::new(ConnectError {
+            url: url.to_owned(),
+            what,
+            source,
+        }),
     }
 }
 

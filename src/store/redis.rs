@@ -323,14 +323,16 @@ impl RedisStore {
         }
     }
 
-    /// Runs one fenced transition script; `1` means applied.
+    /// Runs one fenced transition script with ARGV `token`, then `args`; `1` means applied.
     async fn transition(
         &self,
         script: &Script,
         key: &RecordKey,
+        token: OwnerToken,
         args: &[&[u8]],
     ) -> Result<Transition, StoreError> {
         let mut invocation = script.key(self.redis_key(key));
+        invocation.arg(&token.0.to_be_bytes()[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -412,16 +414,12 @@ impl Store for RedisStore {
     ) -> Result<Transition, StoreError> {
         let body = completion.encode();
         let ttl = millis(ttl).to_string();
-        self.transition(
-            &self.scripts.complete,
-            key,
-            &[&token.0.to_be_bytes(), &body, ttl.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.complete, key, token, &[&body, ttl.as_bytes()])
+            .await
     }
 
     async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
-        self.transition(&self.scripts.release, key, &[&token.0.to_be_bytes()])
+        self.transition(&self.scripts.release, key, token, &[])
             .await
     }
 
@@ -432,12 +430,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Transition, StoreError> {
         let lease = millis(lease).to_string();
-        self.transition(
-            &self.scripts.renew,
-            key,
-            &[&token.0.to_be_bytes(), lease.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.renew, key, token, &[lease.as_bytes()])
+            .await
     }
 
     async fn mark_ambiguous(
@@ -447,12 +441,8 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
         let ttl = millis(ttl).to_string();
-        self.transition(
-            &self.scripts.mark_ambiguous,
-            key,
-            &[&token.0.to_be_bytes(), ttl.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.mark_ambiguous, key, token, &[ttl.as_bytes()])
+            .await
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {

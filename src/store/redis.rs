@@ -485,8 +485,9 @@ impl Store for RedisStore {
     }
 }
 
-/// The transition scripts. Each reads Redis' clock with `TIME` (Unix ms in `now`) and sets
-/// expiry with relative `PEXPIRE`, so no gateway clock is involved.
+/// The transition scripts. Each that needs the time reads Redis' clock with `TIME` (see
+/// `lua_now!`), and each sets expiry with relative `PEXPIRE`, so no gateway clock is
+/// involved.
 struct Scripts {
     claim: Script,
     complete: Script,
@@ -495,15 +496,34 @@ struct Scripts {
     mark_ambiguous: Script,
 }
 
+/// Lua: Redis' clock now, in Unix ms as a number (`now`) and as a decimal string (`now_s`).
+macro_rules! lua_now {
+    () => {
+        "local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = string.format('%.0f', now)
+"
+    };
+}
+
+/// Lua: the fence of every transition but a claim. Names the record `key` and returns `0`
+/// (fenced) unless it is in flight under the token in ARGV[1].
+macro_rules! lua_fence {
+    () => {
+        "local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+"
+    };
+}
+
 /// KEYS[1] record. ARGV: fingerprint, token, lease ms, ttl ms, on_lapse (`a` | `r`).
 /// Returns {0} acquired, {1, lease ms left} in flight, {2, completion} completed,
 /// {3} ambiguous, {4} mismatch, {5} a record this store cannot read.
-const CLAIM: &str = r"
-local key = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-local rec = redis.call('HMGET', key, 's', 'fp', 'ld')
+const CLAIM: &str = concat!(
+    "local key = KEYS[1]\n",
+    lua_now!(),
+    r"local rec = redis.call('HMGET', key, 's', 'fp', 'ld')
 local state, fp = rec[1], rec[2]
 if not state then
   if fp or rec[3] then return {5} end
@@ -538,57 +558,50 @@ if state == 'c' then
 end
 if state == 'a' then return {3} end
 return {5}
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, completion, ttl ms. Returns 1 applied, 0 fenced.
-const COMPLETE: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-redis.call('HDEL', key, 'tok', 'ld')
+const COMPLETE: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"redis.call('HDEL', key, 'tok', 'ld')
 redis.call('HSET', key, 's', 'c', 'body', ARGV[2], 'at', now_s)
 redis.call('PEXPIRE', key, ARGV[3])
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token. Returns 1 applied, 0 fenced.
-const RELEASE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+const RELEASE: &str = concat!(
+    lua_fence!(),
+    r"redis.call('DEL', key)
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, lease ms. Returns 1 applied, 0 fenced.
-const RENEW: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[2])
+const RENEW: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"local lease = tonumber(ARGV[2])
 redis.call('HSET', key, 'ld', string.format('%.0f', now + lease))
 local left = redis.call('PTTL', key)
 if left >= 0 and left < lease then redis.call('PEXPIRE', key, lease) end
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, ttl ms. Returns 1 applied, 0 fenced.
-const MARK_AMBIGUOUS: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-redis.call('HDEL', key, 'tok', 'ld')
+const MARK_AMBIGUOUS: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"redis.call('HDEL', key, 'tok', 'ld')
 redis.call('HSET', key, 's', 'a', 'at', now_s)
 redis.call('PEXPIRE', key, ARGV[2])
 return 1
-";
+"
+);
 
 impl Scripts {
     fn new() -> Self {

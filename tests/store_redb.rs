@@ -63,6 +63,14 @@ fn long() -> ClaimOptions {
     options(Duration::from_secs(600), Duration::from_secs(600))
 }
 
+/// Claims `key` for the fingerprint every test here uses, under a fresh token.
+async fn claim(store: &RedbStore, key: &Hash256, options: &ClaimOptions) -> Claim {
+    store
+        .claim(key, &Hash256::of(b"fp"), OwnerToken::generate(), options)
+        .await
+        .expect("claim")
+}
+
 fn response(body: Vec<u8>) -> Completion {
     let mut headers = HeaderMap::new();
     headers.append("x-n", HeaderValue::from_static("1"));
@@ -123,15 +131,10 @@ async fn open_creates_missing_parent_directories() {
 #[tokio::test]
 async fn records_and_tokens_survive_reopening() {
     let path = TempPath::new("reopen");
-    let fp = Hash256::of(b"fp");
     let (done, pending) = (Hash256::of(b"done"), Hash256::of(b"pending"));
     let token = {
         let store = RedbStore::open(&path.0).unwrap();
-        let Claim::Acquired(t) = store
-            .claim(&done, &fp, OwnerToken::generate(), &long())
-            .await
-            .unwrap()
-        else {
+        let Claim::Acquired(t) = claim(&store, &done, &long()).await else {
             panic!("not acquired");
         };
         let stored = store
@@ -144,30 +147,19 @@ async fn records_and_tokens_survive_reopening() {
             .await
             .unwrap();
         assert_eq!(stored, Transition::Applied);
-        let Claim::Acquired(t) = store
-            .claim(&pending, &fp, OwnerToken::generate(), &long())
-            .await
-            .unwrap()
-        else {
+        let Claim::Acquired(t) = claim(&store, &pending, &long()).await else {
             panic!("not acquired");
         };
         t
     };
     let store = RedbStore::open(&path.0).unwrap();
-    match store
-        .claim(&done, &fp, OwnerToken::generate(), &long())
-        .await
-        .unwrap()
-    {
+    match claim(&store, &done, &long()).await {
         Claim::Completed(c) => assert_eq!(*c, response(b"kept".to_vec())),
         other => panic!("after reopening: {other:?}"),
     }
     // An owner from before the restart still holds its record.
     assert!(matches!(
-        store
-            .claim(&pending, &fp, OwnerToken::generate(), &long())
-            .await
-            .unwrap(),
+        claim(&store, &pending, &long()).await,
         Claim::InFlight { .. }
     ));
     assert_eq!(
@@ -184,7 +176,6 @@ async fn space_of_expired_records_is_reused() {
     let path = TempPath::new("reuse");
     let store = Arc::new(RedbStore::open(&path.0).unwrap());
     let ttl = Duration::from_millis(200);
-    let fp = Hash256::of(b"fp");
     let mut sizes = Vec::new();
     for round in 0..6u32 {
         // 2000 unique keys with 1 KiB bodies, written by 32 tasks so batches fill.
@@ -194,10 +185,7 @@ async fn space_of_expired_records_is_reused() {
                 tokio::spawn(async move {
                     for i in 0..63u32 {
                         let key = Hash256::of(format!("reuse-{round}-{task}-{i}").as_bytes());
-                        let Claim::Acquired(token) = store
-                            .claim(&key, &fp, OwnerToken::generate(), &options(ttl, ttl))
-                            .await
-                            .unwrap()
+                        let Claim::Acquired(token) = claim(&store, &key, &options(ttl, ttl)).await
                         else {
                             panic!("fresh key not acquired");
                         };
@@ -235,7 +223,6 @@ async fn space_of_expired_records_is_reused() {
 async fn sweep_removes_expired_records_in_batches() {
     let path = TempPath::new("sweep");
     let store = Arc::new(RedbStore::open(&path.0).unwrap());
-    let fp = Hash256::of(b"fp");
     let short = options(Duration::from_millis(100), Duration::from_millis(100));
     let tasks: Vec<_> = (0..25u32)
         .map(|task| {
@@ -243,10 +230,7 @@ async fn sweep_removes_expired_records_in_batches() {
             tokio::spawn(async move {
                 for i in 0..100u32 {
                     let key = Hash256::of(format!("sweep-{task}-{i}").as_bytes());
-                    store
-                        .claim(&key, &fp, OwnerToken::generate(), &short)
-                        .await
-                        .unwrap();
+                    claim(&store, &key, &short).await;
                 }
             })
         })
@@ -255,10 +239,7 @@ async fn sweep_removes_expired_records_in_batches() {
         task.await.unwrap();
     }
     let live = Hash256::of(b"live");
-    store
-        .claim(&live, &fp, OwnerToken::generate(), &long())
-        .await
-        .unwrap();
+    claim(&store, &live, &long()).await;
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The writer sweeps on its own too, so count what is left rather than what this removed.
     store.sweep().await.unwrap();
@@ -379,14 +360,9 @@ async fn acknowledged_records_survive_kill_9() {
     );
 
     let store = RedbStore::open(&path.0).expect("the file opens after a kill -9");
-    let fp = Hash256::of(b"fp");
     for &i in &acked {
         let key = crash_key(i);
-        match store
-            .claim(&key, &fp, OwnerToken::generate(), &long())
-            .await
-            .unwrap()
-        {
+        match claim(&store, &key, &long()).await {
             Claim::Completed(c) => assert_eq!(*c, response(crash_body(i)), "record {i} changed"),
             other => panic!("acknowledged record {i} did not survive: {other:?}"),
         }
@@ -401,10 +377,7 @@ async fn acknowledged_records_survive_kill_9() {
     // The reopened file takes new writes.
     let key = Hash256::of(b"after-crash");
     assert!(matches!(
-        store
-            .claim(&key, &fp, OwnerToken::generate(), &long())
-            .await
-            .unwrap(),
+        claim(&store, &key, &long()).await,
         Claim::Acquired(_)
     ));
 }

@@ -166,8 +166,9 @@ async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .expect("raw connection to the test redis-server")
 }
 
-async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
-    match store
+/// Claims `name`'s key with its fingerprint and [`options`], under a fresh token.
+async fn claim(store: &RedisStore, name: &str) -> Result<Claim, StoreError> {
+    store
         .claim(
             &key(name),
             &fingerprint(name),
@@ -175,7 +176,10 @@ async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
             &options(),
         )
         .await
-    {
+}
+
+async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
+    match claim(store, name).await {
         Ok(Claim::Acquired(token)) => token,
         other => panic!("expected Acquired for {name}, got {other:?}"),
     }
@@ -245,15 +249,7 @@ async fn every_transition_survives_script_flush() {
             .unwrap(),
         Transition::Applied
     );
-    let replay = store
-        .claim(
-            &key("a"),
-            &fingerprint("a"),
-            OwnerToken::generate(),
-            &options(),
-        )
-        .await
-        .unwrap();
+    let replay = claim(&store, "a").await.unwrap();
     assert_eq!(replay, Claim::Completed(Arc::new(response(b"done"))));
 
     script_flush(&mut raw).await;
@@ -325,13 +321,7 @@ async fn hung_server_times_out_and_the_store_recovers_when_it_thaws() {
 
     server.pause();
     let started = Instant::now();
-    let err = store
-        .claim(
-            &key("during"),
-            &fingerprint("during"),
-            OwnerToken::generate(),
-            &options(),
-        )
+    let err = claim(&store, "during")
         .await
         .expect_err("a frozen server cannot answer");
     assert!(started.elapsed() < FAULT_TIMEOUT * 5);
@@ -349,15 +339,7 @@ async fn hung_server_times_out_and_the_store_recovers_when_it_thaws() {
     acquire(&store, "after").await;
     // The claim sent while frozen may have run once Redis thawed, or not; either way the
     // store answers about the key consistently.
-    let again = store
-        .claim(
-            &key("during"),
-            &fingerprint("during"),
-            OwnerToken::generate(),
-            &options(),
-        )
-        .await
-        .unwrap();
+    let again = claim(&store, "during").await.unwrap();
     assert!(
         matches!(again, Claim::Acquired(_) | Claim::InFlight { .. }),
         "{again:?}"
@@ -547,15 +529,7 @@ async fn bodies_are_stored_as_raw_bytes() {
         stored >= body.len() && stored < body.len() + 128,
         "{stored}"
     );
-    let replay = store
-        .claim(
-            &key("big"),
-            &fingerprint("big"),
-            OwnerToken::generate(),
-            &options(),
-        )
-        .await
-        .unwrap();
+    let replay = claim(&store, "big").await.unwrap();
     assert_eq!(replay, Claim::Completed(Arc::new(response(&body))));
 }
 
@@ -618,17 +592,7 @@ async fn gateways_sharing_one_redis_never_both_acquire() {
         for i in 0..30 {
             let store = gateways[i % gateways.len()].clone();
             let name = name.clone();
-            tasks.spawn(async move {
-                store
-                    .claim(
-                        &key(&name),
-                        &fingerprint(&name),
-                        OwnerToken::generate(),
-                        &options(),
-                    )
-                    .await
-                    .expect("claim")
-            });
+            tasks.spawn(async move { claim(&store, &name).await.expect("claim") });
         }
         let mut acquired = 0;
         while let Some(claim) = tasks.join_next().await {
@@ -659,14 +623,7 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .await
         .unwrap();
     assert!(matches!(
-        store
-            .claim(
-                &key("odd"),
-                &fingerprint("odd"),
-                OwnerToken::generate(),
-                &options()
-            )
-            .await,
+        claim(&store, "odd").await,
         Err(StoreError::Corrupt {
             backend: "redis",
             ..
@@ -695,14 +652,7 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .await
         .unwrap();
     assert!(matches!(
-        store
-            .claim(
-                &key("bad-body"),
-                &fingerprint("bad-body"),
-                OwnerToken::generate(),
-                &options()
-            )
-            .await,
+        claim(&store, "bad-body").await,
         Err(StoreError::Corrupt { .. })
     ));
 
@@ -714,15 +664,7 @@ async fn records_written_by_something_else_are_errors_not_panics() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    let err = store
-        .claim(
-            &key("string"),
-            &fingerprint("string"),
-            OwnerToken::generate(),
-            &options(),
-        )
-        .await
-        .expect_err("WRONGTYPE");
+    let err = claim(&store, "string").await.expect_err("WRONGTYPE");
     let StoreError::Unavailable {
         backend: "redis",
         source,

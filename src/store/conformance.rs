@@ -268,6 +268,32 @@ async fn mark_ambiguous(
         .unwrap_or_else(|e| panic!("mark_ambiguous failed: {e}"))
 }
 
+/// Asserts that `token` changes nothing of `key`'s record: complete, release, renew and
+/// mark_ambiguous each answer [`Transition::Fenced`]. `situation` ends each failure message
+/// ("with a wrong token").
+async fn assert_fenced(store: &dyn Store, key: &RecordKey, token: OwnerToken, situation: &str) {
+    assert_eq!(
+        complete(store, key, token, sample_completion(), LONG).await,
+        Transition::Fenced,
+        "complete {situation}"
+    );
+    assert_eq!(
+        release(store, key, token).await,
+        Transition::Fenced,
+        "release {situation}"
+    );
+    assert_eq!(
+        renew(store, key, token, LONG).await,
+        Transition::Fenced,
+        "renew {situation}"
+    );
+    assert_eq!(
+        mark_ambiguous(store, key, token, LONG).await,
+        Transition::Fenced,
+        "mark_ambiguous {situation}"
+    );
+}
+
 fn assert_near(what: &str, actual: SystemTime, expected: SystemTime) {
     let off = actual
         .duration_since(expected)
@@ -584,26 +610,7 @@ pub async fn wrong_token_is_fenced_and_changes_nothing(store: Arc<dyn Store>) {
     let before = get(store, &key).await;
     let stranger = OwnerToken::generate();
     assert_ne!(stranger, token);
-    assert_eq!(
-        complete(store, &key, stranger, sample_completion(), LONG).await,
-        Transition::Fenced,
-        "complete with a wrong token"
-    );
-    assert_eq!(
-        release(store, &key, stranger).await,
-        Transition::Fenced,
-        "release with a wrong token"
-    );
-    assert_eq!(
-        renew(store, &key, stranger, Duration::from_secs(50)).await,
-        Transition::Fenced,
-        "renew with a wrong token"
-    );
-    assert_eq!(
-        mark_ambiguous(store, &key, stranger, LONG).await,
-        Transition::Fenced,
-        "mark_ambiguous with a wrong token"
-    );
+    assert_fenced(store, &key, stranger, "with a wrong token").await;
     assert_eq!(
         get(store, &key).await,
         before,
@@ -623,26 +630,7 @@ pub async fn wrong_token_is_fenced_and_changes_nothing(store: Arc<dyn Store>) {
     );
 
     let missing = unique_key("fenced-missing");
-    assert_eq!(
-        complete(store, &missing, token, sample_completion(), LONG).await,
-        Transition::Fenced,
-        "complete of a missing key"
-    );
-    assert_eq!(
-        release(store, &missing, token).await,
-        Transition::Fenced,
-        "release of a missing key"
-    );
-    assert_eq!(
-        renew(store, &missing, token, LONG).await,
-        Transition::Fenced,
-        "renew of a missing key"
-    );
-    assert_eq!(
-        mark_ambiguous(store, &missing, token, LONG).await,
-        Transition::Fenced,
-        "mark_ambiguous of a missing key"
-    );
+    assert_fenced(store, &missing, token, "of a missing key").await;
     assert_eq!(
         get(store, &missing).await,
         None,
@@ -670,21 +658,7 @@ pub async fn finished_owner_is_fenced(store: Arc<dyn Store>) {
         Transition::Fenced,
         "a second complete overwrote a completed record"
     );
-    assert_eq!(
-        release(store, &key, token).await,
-        Transition::Fenced,
-        "release of a completed record"
-    );
-    assert_eq!(
-        renew(store, &key, token, LONG).await,
-        Transition::Fenced,
-        "renew of a completed record"
-    );
-    assert_eq!(
-        mark_ambiguous(store, &key, token, LONG).await,
-        Transition::Fenced,
-        "mark_ambiguous of a completed record"
-    );
+    assert_fenced(store, &key, token, "of a completed record").await;
     assert_replays(store, &key, &fp, &sample_completion()).await;
 
     let key = unique_key("finished-ambiguous");
@@ -693,21 +667,7 @@ pub async fn finished_owner_is_fenced(store: Arc<dyn Store>) {
         mark_ambiguous(store, &key, token, LONG).await,
         Transition::Applied
     );
-    assert_eq!(
-        complete(store, &key, token, sample_completion(), LONG).await,
-        Transition::Fenced,
-        "complete of an ambiguous record"
-    );
-    assert_eq!(
-        release(store, &key, token).await,
-        Transition::Fenced,
-        "release of an ambiguous record"
-    );
-    assert_eq!(
-        renew(store, &key, token, LONG).await,
-        Transition::Fenced,
-        "renew of an ambiguous record"
-    );
+    assert_fenced(store, &key, token, "of an ambiguous record").await;
     assert_eq!(
         claim(store, &key, &fp, &long_options()).await,
         Claim::Ambiguous
@@ -896,13 +856,13 @@ pub async fn lapse_with_ambiguous_turns_record_ambiguous(store: Arc<dyn Store>) 
         }
         other => panic!("get after a lapse made ambiguous: expected Ambiguous, got {other:?}"),
     }
-    assert_eq!(
-        complete(store, &key, token, sample_completion(), LONG).await,
-        Transition::Fenced,
-        "the lapsed owner completed a record made ambiguous"
-    );
-    assert_eq!(release(store, &key, token).await, Transition::Fenced);
-    assert_eq!(renew(store, &key, token, LONG).await, Transition::Fenced);
+    assert_fenced(
+        store,
+        &key,
+        token,
+        "by the lapsed owner of a record made ambiguous",
+    )
+    .await;
     assert_eq!(
         claim(
             store,
@@ -973,21 +933,7 @@ pub async fn lapse_with_retry_hands_record_to_new_owner(store: Arc<dyn Store>) {
     )
     .await;
     assert_ne!(old, new, "the takeover reused the old token");
-    assert_eq!(
-        complete(store, &key, old, sample_completion(), LONG).await,
-        Transition::Fenced,
-        "the old owner completed over the new owner"
-    );
-    assert_eq!(
-        release(store, &key, old).await,
-        Transition::Fenced,
-        "the old owner released the new owner's record"
-    );
-    assert_eq!(renew(store, &key, old, LONG).await, Transition::Fenced);
-    assert_eq!(
-        mark_ambiguous(store, &key, old, LONG).await,
-        Transition::Fenced
-    );
+    assert_fenced(store, &key, old, "by the old owner after a takeover").await;
     assert!(
         matches!(
             claim(store, &key, &fp, &long_options()).await,

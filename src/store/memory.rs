@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use super::{
+    Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
+};
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 /// Most expired records removed under one shard lock by the background sweep, so no lock is
@@ -373,14 +375,6 @@ fn set_expiry(expiries: &mut BTreeSet<(Tick, RecordKey)>, key: &RecordKey, old: 
     }
 }
 
-/// Decodes a completion this store encoded.
-fn decode(encoded: Bytes) -> Result<Completion, StoreError> {
-    Completion::decode(encoded).map_err(|source| StoreError::Corrupt {
-        backend: "memory",
-        source,
-    })
-}
-
 /// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
 /// under the lock is a few infallible map operations), so a poisoned lock is taken as is.
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -474,7 +468,9 @@ impl Store for MemoryStore {
         };
         match attempt {
             Ok(claim) => Ok(claim),
-            Err(encoded) => Ok(Claim::Completed(Arc::new(decode(encoded)?))),
+            Err(encoded) => Ok(Claim::Completed(Arc::new(decode_completion(
+                "memory", encoded,
+            )?))),
         }
     }
 
@@ -575,7 +571,7 @@ impl Store for MemoryStore {
             // Decoded outside the shard's lock.
             Some(Err((fingerprint, encoded, stored_at))) => Ok(Some(Record::Completed {
                 fingerprint,
-                completion: decode(encoded)?,
+                completion: decode_completion("memory", encoded)?,
                 stored_at,
             })),
         }
@@ -627,6 +623,17 @@ mod tests {
         }
     }
 
+    /// Claims `key` with [`fp`] and `options` under a fresh token.
+    async fn claim(
+        store: &MemoryStore,
+        key: &RecordKey,
+        options: &ClaimOptions,
+    ) -> Result<Claim, StoreError> {
+        store
+            .claim(key, &fp(), OwnerToken::generate(), options)
+            .await
+    }
+
     fn config(capacity: usize, sweep_interval: Duration) -> MemoryStoreConfig {
         MemoryStoreConfig {
             capacity,
@@ -641,19 +648,12 @@ mod tests {
         let long = opts(Duration::from_secs(60));
         let mut tokens = Vec::new();
         for i in 0..10 {
-            match store
-                .claim(&key(i), &fp(), OwnerToken::generate(), &long)
-                .await
-                .unwrap()
-            {
+            match claim(&store, &key(i), &long).await.unwrap() {
                 Claim::Acquired(t) => tokens.push(t),
                 other => panic!("claim {i}: {other:?}"),
             }
         }
-        let err = store
-            .claim(&key(10), &fp(), OwnerToken::generate(), &long)
-            .await
-            .unwrap_err();
+        let err = claim(&store, &key(10), &long).await.unwrap_err();
         assert!(
             matches!(
                 err,
@@ -668,10 +668,7 @@ mod tests {
         // Every live record is still there and answers.
         for i in 0..10 {
             assert!(matches!(
-                store
-                    .claim(&key(i), &fp(), OwnerToken::generate(), &long)
-                    .await
-                    .unwrap(),
+                claim(&store, &key(i), &long).await.unwrap(),
                 Claim::InFlight { .. }
             ));
         }
@@ -681,25 +678,14 @@ mod tests {
             Transition::Applied
         );
         assert!(matches!(
-            store
-                .claim(&key(10), &fp(), OwnerToken::generate(), &long)
-                .await
-                .unwrap(),
+            claim(&store, &key(10), &long).await.unwrap(),
             Claim::Acquired(_)
         ));
-        assert!(
-            store
-                .claim(&key(11), &fp(), OwnerToken::generate(), &long)
-                .await
-                .is_err()
-        );
+        assert!(claim(&store, &key(11), &long).await.is_err());
         // So does a deleted one.
         assert!(store.delete(&key(0)).await.unwrap());
         assert!(matches!(
-            store
-                .claim(&key(11), &fp(), OwnerToken::generate(), &long)
-                .await
-                .unwrap(),
+            claim(&store, &key(11), &long).await.unwrap(),
             Claim::Acquired(_)
         ));
         assert_eq!(store.len(), 10);
@@ -710,24 +696,12 @@ mod tests {
         // No background sweep during the test: the claim itself must make room.
         let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
         for i in 0..100 {
-            store
-                .claim(
-                    &key(i),
-                    &fp(),
-                    OwnerToken::generate(),
-                    &opts(Duration::from_millis(500)),
-                )
+            claim(&store, &key(i), &opts(Duration::from_millis(500)))
                 .await
                 .unwrap();
         }
         assert!(
-            store
-                .claim(
-                    &key(100),
-                    &fp(),
-                    OwnerToken::generate(),
-                    &opts(Duration::from_secs(60))
-                )
+            claim(&store, &key(100), &opts(Duration::from_secs(60)))
                 .await
                 .is_err()
         );
@@ -735,13 +709,7 @@ mod tests {
         for i in 100..200 {
             assert!(
                 matches!(
-                    store
-                        .claim(
-                            &key(i),
-                            &fp(),
-                            OwnerToken::generate(),
-                            &opts(Duration::from_secs(60))
-                        )
+                    claim(&store, &key(i), &opts(Duration::from_secs(60)))
                         .await
                         .unwrap(),
                     Claim::Acquired(_)
@@ -751,13 +719,7 @@ mod tests {
         }
         assert_eq!(store.len(), 100);
         assert!(
-            store
-                .claim(
-                    &key(200),
-                    &fp(),
-                    OwnerToken::generate(),
-                    &opts(Duration::from_secs(60))
-                )
+            claim(&store, &key(200), &opts(Duration::from_secs(60)))
                 .await
                 .is_err()
         );
@@ -775,10 +737,7 @@ mod tests {
             for i in 0..10_000 {
                 let k = key(round * 10_000 + i);
                 assert!(matches!(
-                    store
-                        .claim(&k, &fp(), OwnerToken::generate(), &short)
-                        .await
-                        .unwrap(),
+                    claim(&store, &k, &short).await.unwrap(),
                     Claim::Acquired(_)
                 ));
             }
@@ -819,13 +778,7 @@ mod tests {
             .unwrap();
         runtime.block_on(async {
             for i in 0..50 {
-                store
-                    .claim(
-                        &key(i),
-                        &fp(),
-                        OwnerToken::generate(),
-                        &opts(Duration::from_millis(300)),
-                    )
+                claim(&store, &key(i), &opts(Duration::from_millis(300)))
                     .await
                     .unwrap();
             }
@@ -845,13 +798,7 @@ mod tests {
     async fn index_tracks_every_expiry_change() {
         let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
         let k = key(1);
-        let Claim::Acquired(t) = store
-            .claim(
-                &k,
-                &fp(),
-                OwnerToken::generate(),
-                &opts(Duration::from_secs(5)),
-            )
+        let Claim::Acquired(t) = claim(&store, &k, &opts(Duration::from_secs(5)))
             .await
             .unwrap()
         else {
@@ -907,10 +854,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(done, Transition::Applied);
-        let replayed = store
-            .claim(&key(1), &fp(), OwnerToken::generate(), &long)
-            .await
-            .unwrap();
+        let replayed = claim(&store, &key(1), &long).await.unwrap();
         assert_eq!(replayed, Claim::Completed(Arc::new(original.clone())));
         // Nothing of the large buffer is kept: once the caller's views are gone, it is unique.
         drop(original);

@@ -121,6 +121,15 @@ pub enum StoreError {
     },
 }
 
+/// Decodes a completion `backend` stored in [`Completion::encode`]'s form; a failure is
+/// [`StoreError::Corrupt`].
+fn decode_completion(
+    backend: &'static str,
+    encoded: bytes::Bytes,
+) -> Result<Completion, StoreError> {
+    Completion::decode(encoded).map_err(|source| StoreError::Corrupt { backend, source })
+}
+
 /// The idempotency record store.
 ///
 /// # Contract

@@ -461,8 +461,9 @@ impl Header {
     }
 }
 
+/// Decodes the completion bytes of a stored record (copied out of redb's page).
 fn decode_completion(bytes: &[u8]) -> Result<Completion, StoreError> {
-    Completion::decode(Bytes::copy_from_slice(bytes)).map_err(corrupt)
+    super::decode_completion(BACKEND, Bytes::copy_from_slice(bytes))
 }
 
 fn index_key(expires: u64, key: &[u8; 32]) -> [u8; 40] {
@@ -488,8 +489,13 @@ enum ClaimStep {
     Replay,
     /// Write a fresh in-flight record, replacing the expired or lapsed one (with its expiry).
     Acquire { replaces: Option<u64> },
-    /// Turn the lapsed in-flight record ambiguous, then answer.
-    MakeAmbiguous { old_expiry: u64, answer: Claim },
+    /// Turn the lapsed in-flight record (with its fingerprint and expiry) ambiguous, then
+    /// answer.
+    MakeAmbiguous {
+        fingerprint: FingerprintHash,
+        old_expiry: u64,
+        answer: Claim,
+    },
 }
 
 fn decide(
@@ -522,6 +528,7 @@ fn decide(
                 replaces: Some(found.expires),
             },
             UnknownOutcome::Ambiguous => ClaimStep::MakeAmbiguous {
+                fingerprint: found.fingerprint,
                 old_expiry: found.expires,
                 answer: if same {
                     Claim::Ambiguous
@@ -892,28 +899,22 @@ impl Tables<'_> {
         options: &ClaimOptions,
         now: u64,
     ) -> Result<Result<Claim, StoreError>, redb::Error> {
-        let found = match self.header(key)? {
-            Some(Ok(h)) => Some(h),
+        // One read: a replay decodes the completion from it; a write drops it first.
+        let value = self.records.get(&key.0)?;
+        let (found, completion) = match value.as_ref().map(|v| Header::parse(v.value())) {
+            None => (None, &[][..]),
+            Some(Ok((header, completion))) => (Some(header), completion),
             Some(Err(e)) => return Ok(Err(corrupt(e))),
-            None => None,
         };
         Ok(Ok(
             match decide(found.as_ref(), fingerprint, options, now) {
                 ClaimStep::Answer(claim) => claim,
-                ClaimStep::Replay => {
-                    let Some(value) = self.records.get(&key.0)? else {
-                        return Ok(Err(corrupt(DecodeError("record vanished"))));
-                    };
-                    let completion = match Header::parse(value.value()) {
-                        Ok((_, bytes)) => decode_completion(bytes),
-                        Err(e) => Err(corrupt(e)),
-                    };
-                    match completion {
-                        Ok(c) => Claim::Completed(Arc::new(c)),
-                        Err(e) => return Ok(Err(e)),
-                    }
-                }
+                ClaimStep::Replay => match decode_completion(completion) {
+                    Ok(c) => Claim::Completed(Arc::new(c)),
+                    Err(e) => return Ok(Err(e)),
+                },
                 ClaimStep::Acquire { replaces } => {
+                    drop(value);
                     let header = Header {
                         fingerprint: *fingerprint,
                         expires: after(now, options.ttl),
@@ -925,12 +926,14 @@ impl Tables<'_> {
                     self.put(key, &header, &[], replaces)?;
                     Claim::Acquired(token)
                 }
-                ClaimStep::MakeAmbiguous { old_expiry, answer } => {
-                    let Some(found) = found else {
-                        return Ok(Err(corrupt(DecodeError("record vanished"))));
-                    };
+                ClaimStep::MakeAmbiguous {
+                    fingerprint,
+                    old_expiry,
+                    answer,
+                } => {
+                    drop(value);
                     let header = Header {
-                        fingerprint: found.fingerprint,
+                        fingerprint,
                         expires: after(now, options.ttl),
                         state: StateHeader::Ambiguous { since: now },
                     };

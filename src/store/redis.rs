@@ -13,7 +13,9 @@ use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
-use super::{BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
+use super::{
+    BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
+};
 use crate::record::{
     Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
     from_unix_millis,
@@ -198,10 +200,11 @@ impl RedisStore {
         let store = Self::connect_lazy(config)?;
         let mut connection = store.connection.clone();
         let ping = redis::cmd("PING");
+        let fail = |what, source| connect_error(&store.display_url, what, source);
         match tokio::time::timeout(bound, ping.query_async::<()>(&mut connection)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(store.connect_error("cannot connect", Some(e.into()))),
-            Err(_) => return Err(store.connect_error("timed out connecting", None)),
+            Ok(Err(e)) => return Err(fail("cannot connect", Some(e.into()))),
+            Err(_) => return Err(fail("timed out connecting", None)),
         }
         store.check_eviction_policy().await?;
         Ok(store)
@@ -215,14 +218,7 @@ impl RedisStore {
     /// runs as a task on it).
     pub fn connect_lazy(config: RedisStoreConfig) -> Result<Self, StoreError> {
         let display_url: Arc<str> = redact_url(&config.url).into();
-        let fail = |what, source: Option<BoxError>| StoreError::Unavailable {
-            backend: BACKEND,
-            source: Box::new(ConnectError {
-                url: display_url.to_string(),
-                what,
-                source,
-            }),
-        };
+        let fail = |what, source| connect_error(&display_url, what, source);
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(fail(
                 "the store must be set up inside a Tokio runtime",
@@ -327,14 +323,16 @@ impl RedisStore {
         }
     }
 
-    /// Runs one fenced transition script; `1` means applied.
+    /// Runs one fenced transition script with ARGV `token`, then `args`; `1` means applied.
     async fn transition(
         &self,
         script: &Script,
         key: &RecordKey,
+        token: OwnerToken,
         args: &[&[u8]],
     ) -> Result<Transition, StoreError> {
         let mut invocation = script.key(self.redis_key(key));
+        invocation.arg(&token.0.to_be_bytes()[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -365,16 +363,18 @@ impl RedisStore {
             after: self.timeout,
         }
     }
+}
 
-    fn connect_error(&self, what: &'static str, source: Option<BoxError>) -> StoreError {
-        StoreError::Unavailable {
-            backend: BACKEND,
-            source: Box::new(ConnectError {
-                url: self.display_url.to_string(),
-                what,
-                source,
-            }),
-        }
+/// A [`StoreError::Unavailable`] for a store that could not be set up or reach Redis at
+/// `url` (already redacted).
+fn connect_error(url: &str, what: &'static str, source: Option<BoxError>) -> StoreError {
+    StoreError::Unavailable {
+        backend: BACKEND,
+        source: Box::new(ConnectError {
+            url: url.to_owned(),
+            what,
+            source,
+        }),
     }
 }
 
@@ -414,16 +414,12 @@ impl Store for RedisStore {
     ) -> Result<Transition, StoreError> {
         let body = completion.encode();
         let ttl = millis(ttl).to_string();
-        self.transition(
-            &self.scripts.complete,
-            key,
-            &[&token.0.to_be_bytes(), &body, ttl.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.complete, key, token, &[&body, ttl.as_bytes()])
+            .await
     }
 
     async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
-        self.transition(&self.scripts.release, key, &[&token.0.to_be_bytes()])
+        self.transition(&self.scripts.release, key, token, &[])
             .await
     }
 
@@ -434,12 +430,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Transition, StoreError> {
         let lease = millis(lease).to_string();
-        self.transition(
-            &self.scripts.renew,
-            key,
-            &[&token.0.to_be_bytes(), lease.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.renew, key, token, &[lease.as_bytes()])
+            .await
     }
 
     async fn mark_ambiguous(
@@ -449,12 +441,8 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
         let ttl = millis(ttl).to_string();
-        self.transition(
-            &self.scripts.mark_ambiguous,
-            key,
-            &[&token.0.to_be_bytes(), ttl.as_bytes()],
-        )
-        .await
+        self.transition(&self.scripts.mark_ambiguous, key, token, &[ttl.as_bytes()])
+            .await
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
@@ -497,8 +485,9 @@ impl Store for RedisStore {
     }
 }
 
-/// The transition scripts. Each reads Redis' clock with `TIME` (Unix ms in `now`) and sets
-/// expiry with relative `PEXPIRE`, so no gateway clock is involved.
+/// The transition scripts. Each that needs the time reads Redis' clock with `TIME` (see
+/// `lua_now!`), and each sets expiry with relative `PEXPIRE`, so no gateway clock is
+/// involved.
 struct Scripts {
     claim: Script,
     complete: Script,
@@ -507,15 +496,34 @@ struct Scripts {
     mark_ambiguous: Script,
 }
 
+/// Lua: Redis' clock now, in Unix ms as a number (`now`) and as a decimal string (`now_s`).
+macro_rules! lua_now {
+    () => {
+        "local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_s = string.format('%.0f', now)
+"
+    };
+}
+
+/// Lua: the fence of every transition but a claim. Names the record `key` and returns `0`
+/// (fenced) unless it is in flight under the token in ARGV[1].
+macro_rules! lua_fence {
+    () => {
+        "local key = KEYS[1]
+local rec = redis.call('HMGET', key, 's', 'tok')
+if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
+"
+    };
+}
+
 /// KEYS[1] record. ARGV: fingerprint, token, lease ms, ttl ms, on_lapse (`a` | `r`).
 /// Returns {0} acquired, {1, lease ms left} in flight, {2, completion} completed,
 /// {3} ambiguous, {4} mismatch, {5} a record this store cannot read.
-const CLAIM: &str = r"
-local key = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-local rec = redis.call('HMGET', key, 's', 'fp', 'ld')
+const CLAIM: &str = concat!(
+    "local key = KEYS[1]\n",
+    lua_now!(),
+    r"local rec = redis.call('HMGET', key, 's', 'fp', 'ld')
 local state, fp = rec[1], rec[2]
 if not state then
   if fp or rec[3] then return {5} end
@@ -550,57 +558,50 @@ if state == 'c' then
 end
 if state == 'a' then return {3} end
 return {5}
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, completion, ttl ms. Returns 1 applied, 0 fenced.
-const COMPLETE: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-redis.call('HDEL', key, 'tok', 'ld')
+const COMPLETE: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"redis.call('HDEL', key, 'tok', 'ld')
 redis.call('HSET', key, 's', 'c', 'body', ARGV[2], 'at', now_s)
 redis.call('PEXPIRE', key, ARGV[3])
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token. Returns 1 applied, 0 fenced.
-const RELEASE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+const RELEASE: &str = concat!(
+    lua_fence!(),
+    r"redis.call('DEL', key)
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, lease ms. Returns 1 applied, 0 fenced.
-const RENEW: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[2])
+const RENEW: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"local lease = tonumber(ARGV[2])
 redis.call('HSET', key, 'ld', string.format('%.0f', now + lease))
 local left = redis.call('PTTL', key)
 if left >= 0 and left < lease then redis.call('PEXPIRE', key, lease) end
 return 1
-";
+"
+);
 
 /// KEYS[1] record. ARGV: token, ttl ms. Returns 1 applied, 0 fenced.
-const MARK_AMBIGUOUS: &str = r"
-local key = KEYS[1]
-local rec = redis.call('HMGET', key, 's', 'tok')
-if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_s = string.format('%.0f', now)
-redis.call('HDEL', key, 'tok', 'ld')
+const MARK_AMBIGUOUS: &str = concat!(
+    lua_fence!(),
+    lua_now!(),
+    r"redis.call('HDEL', key, 'tok', 'ld')
 redis.call('HSET', key, 's', 'a', 'at', now_s)
 redis.call('PEXPIRE', key, ARGV[2])
 return 1
-";
+"
+);
 
 impl Scripts {
     fn new() -> Self {
@@ -642,12 +643,10 @@ fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, StoreError> {
         (1, Some(Value::Int(left))) => Ok(Claim::InFlight {
             lease_remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
         }),
-        (2, Some(Value::BulkString(body))) => Completion::decode(Bytes::from(body))
-            .map(|c| Claim::Completed(Arc::new(c)))
-            .map_err(|source| StoreError::Corrupt {
-                backend: BACKEND,
-                source,
-            }),
+        (2, Some(Value::BulkString(body))) => Ok(Claim::Completed(Arc::new(decode_completion(
+            BACKEND,
+            Bytes::from(body),
+        )?))),
         (3, None) => Ok(Claim::Ambiguous),
         (4, None) => Ok(Claim::Mismatch),
         (5, None) => Err(corrupt("record with missing or unknown fields")),
@@ -684,11 +683,7 @@ fn decode_record(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreEr
         })),
         b"c" => {
             let body = body.ok_or_else(|| corrupt("completed record without a body"))?;
-            let completion =
-                Completion::decode(Bytes::from(body)).map_err(|source| StoreError::Corrupt {
-                    backend: BACKEND,
-                    source,
-                })?;
+            let completion = decode_completion(BACKEND, Bytes::from(body))?;
             Ok(Some(Record::Completed {
                 fingerprint,
                 completion,

@@ -11,7 +11,23 @@ use crate::body::ResponseBody;
 use crate::response::{Decision, Outcome};
 use crate::service::without_owned_headers;
 
-type BoxAnswer<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+/// What a keyed request's future ends with.
+pub(crate) type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+/// A boxed future of an answer.
+pub(crate) type BoxAnswer<B, E> = Pin<Box<dyn Future<Output = Answer<B, E>> + Send>>;
+/// A boxed future of a keyed request's first step.
+pub(crate) type BoxStep<B, E> = Pin<Box<dyn Future<Output = Step<B, E>> + Send>>;
+/// Hands work that must finish to a task of its own (made where the types allow a spawn).
+pub(crate) type Detacher<B, E> = fn(BoxAnswer<B, E>);
+
+/// Where the first step of a keyed request (reading it, claiming its key) leads.
+pub(crate) enum Step<B, E> {
+    /// An answer right away: a replay, a refusal, a problem.
+    Answer(Answer<B, E>),
+    /// Work that, once started, runs to its end even if the caller goes away: the request
+    /// holds the key and must complete or release it.
+    Run(BoxAnswer<B, E>),
+}
 
 pin_project_lite::pin_project! {
     /// The response future of [`IdempotencyService`](crate::IdempotencyService). Opaque so its
@@ -27,7 +43,8 @@ pin_project_lite::pin_project! {
     enum Kind<F, B, E> {
         PassThrough { #[pin] future: F, route: Arc<str> },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Keyed { future: BoxAnswer<B, E> },
+        Keyed { step: BoxStep<B, E>, detach: Detacher<B, E> },
+        Running { run: MustFinish<B, E> },
     }
 }
 
@@ -46,9 +63,12 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn boxed(future: BoxAnswer<B, E>) -> Self {
+    /// A keyed request: `step` runs in the caller's task; if it leads to work that must
+    /// finish, that work runs there too while the caller waits, and is handed to `detach` if
+    /// the caller drops this future first.
+    pub(crate) fn keyed(step: BoxStep<B, E>, detach: Detacher<B, E>) -> Self {
         Self {
-            kind: Kind::Keyed { future },
+            kind: Kind::Keyed { step, detach },
         }
     }
 }
@@ -57,24 +77,62 @@ impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<ResponseBody<B>>, E>;
+    type Output = Answer<B, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::PassThrough { future, route } => {
-                let mut response = without_owned_headers(ready!(future.poll(cx))?);
-                response.extensions_mut().insert(Outcome {
-                    decision: Decision::PassedThrough,
-                    route: route.clone(),
-                    record: None,
-                });
-                Poll::Ready(Ok(response.map(ResponseBody::inner)))
-            }
-            KindProj::Ready { response } => match response.take() {
-                Some(response) => Poll::Ready(Ok(response)),
-                None => panic!("ResponseFuture polled after completion"),
-            },
-            KindProj::Keyed { future } => future.as_mut().poll(cx),
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project().kind.project() {
+                KindProj::PassThrough { future, route } => {
+                    let mut response = without_owned_headers(ready!(future.poll(cx))?);
+                    response.extensions_mut().insert(Outcome {
+                        decision: Decision::PassedThrough,
+                        route: route.clone(),
+                        record: None,
+                    });
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                }
+                KindProj::Ready { response } => match response.take() {
+                    Some(response) => return Poll::Ready(Ok(response)),
+                    None => panic!("ResponseFuture polled after completion"),
+                },
+                KindProj::Keyed { step, detach } => match ready!(step.as_mut().poll(cx)) {
+                    Step::Answer(answer) => return Poll::Ready(answer),
+                    Step::Run(run) => Kind::Running {
+                        run: MustFinish {
+                            run: Some(run),
+                            detach: *detach,
+                        },
+                    },
+                },
+                KindProj::Running { run } => return run.poll(cx),
+            };
+            self.as_mut().project().kind.set(next);
+        }
+    }
+}
+
+/// Work polled in the caller's task that is handed to a task of its own if the caller drops
+/// it before it finishes.
+struct MustFinish<B, E> {
+    run: Option<BoxAnswer<B, E>>,
+    detach: Detacher<B, E>,
+}
+
+impl<B, E> MustFinish<B, E> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Answer<B, E>> {
+        let Some(run) = self.run.as_mut() else {
+            panic!("ResponseFuture polled after completion");
+        };
+        let answer = ready!(run.as_mut().poll(cx));
+        self.run = None;
+        Poll::Ready(answer)
+    }
+}
+
+impl<B, E> Drop for MustFinish<B, E> {
+    fn drop(&mut self) {
+        if let Some(run) = self.run.take() {
+            (self.detach)(run);
         }
     }
 }

@@ -429,7 +429,7 @@ pub fn into_replay(stored: StoredResponse) -> Response<Bytes> {
 
 /// What the layer decided about a request. Found on every response the layer returns, inside
 /// [`Outcome`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
 pub enum Decision {
     /// The request was not one the route handles (method or no key); it streamed through.
@@ -460,6 +460,22 @@ pub enum Decision {
 }
 
 impl Decision {
+    /// Every decision, in declaration order (`ALL[d as usize] == d`).
+    pub const ALL: [Decision; 12] = [
+        Decision::PassedThrough,
+        Decision::Executed,
+        Decision::Replayed,
+        Decision::InFlight,
+        Decision::Mismatch,
+        Decision::OutcomeUnknown,
+        Decision::NotReplayable,
+        Decision::InvalidKey,
+        Decision::MissingKey,
+        Decision::RequestRejected,
+        Decision::StoreUnavailable,
+        Decision::Unprotected,
+    ];
+
     /// A snake_case label for logs and metrics.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -506,6 +522,15 @@ pub enum UpstreamFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_decision_is_listed_once_at_its_index() {
+        let mut labels = std::collections::BTreeSet::new();
+        for (at, decision) in Decision::ALL.into_iter().enumerate() {
+            assert_eq!(decision as usize, at, "{decision:?}");
+            assert!(labels.insert(decision.as_str()), "{decision:?}");
+        }
+    }
 
     fn parse(r: &Response<Bytes>) -> serde_json::Value {
         serde_json::from_slice(r.body()).unwrap()

@@ -14,12 +14,12 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::Body;
 use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tower_service::Service;
 
 use crate::body::{Capped, RequestBody, ResponseBody, read_capped};
 use crate::fingerprint;
-use crate::future::ResponseFuture;
+use crate::future::{Answer, BoxAnswer, ResponseFuture, Step};
 use crate::key;
 use crate::layer::{Route, Shared};
 use crate::policy::{Concurrent, KeySource, OnStoreError, UnknownOutcome};
@@ -51,8 +51,6 @@ impl<S> IdempotencyService<S> {
         Self { inner, shared }
     }
 }
-
-type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for IdempotencyService<S>
 where
@@ -109,9 +107,25 @@ where
             KeySource::JsonPointer(_) => None,
         };
         let shared = self.shared.clone();
-        ResponseFuture::boxed(Box::pin(handle_keyed(
-            shared, route, inner, req, header_key,
-        )))
+        ResponseFuture::keyed(
+            Box::pin(handle_keyed(shared, route, inner, req, header_key)),
+            detach::<ResB, S::Error>,
+        )
+    }
+}
+
+/// Hands a request that holds its key, dropped by its caller half-way, to a task of its own:
+/// a client that hangs up must not cancel an upstream call half-way, nor leave a claim
+/// behind that never completes.
+fn detach<B: Send + 'static, E: Send + 'static>(run: BoxAnswer<B, E>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move {
+                let _ = run.await;
+            });
+        }
+        // Only when the runtime itself is going away: the claim lapses with its lease.
+        Err(_) => tracing::warn!("a claimed request was dropped outside a runtime"),
     }
 }
 
@@ -127,6 +141,11 @@ where
         inner.call(req.map(RequestBody::streaming)),
         route.name.clone(),
     )
+}
+
+/// A keyed request answered before it has a record.
+fn early<B, E>(problem: Problem, decision: Decision, route: &Route) -> Step<B, E> {
+    Step::Answer(Ok(answer(problem, decision, route, None)))
 }
 
 /// A response made here (problem or replay), tagged with what was decided.
@@ -166,7 +185,7 @@ async fn handle_keyed<S, ReqB, ResB>(
     mut inner: S,
     req: Request<ReqB>,
     header_key: Option<String>,
-) -> Answer<ResB, S::Error>
+) -> Step<ResB, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
@@ -181,11 +200,11 @@ where
         Ok(body) => body,
         Err(Capped::Over { .. }) => {
             let problem = Problem::request_too_large(policy.max_request_bytes);
-            return Ok(answer(problem, Decision::RequestRejected, &route, None));
+            return early(problem, Decision::RequestRejected, &route);
         }
         Err(Capped::Failed(_)) => {
             let problem = Problem::request_body_error();
-            return Ok(answer(problem, Decision::RequestRejected, &route, None));
+            return early(problem, Decision::RequestRejected, &route);
         }
     };
     let key = match (header_key, &policy.key) {
@@ -194,35 +213,24 @@ where
             Ok(Some(key)) => key,
             Ok(None) if policy.require_key => {
                 let problem = Problem::missing_key(&policy.key);
-                return Ok(answer(problem, Decision::MissingKey, &route, None));
+                return early(problem, Decision::MissingKey, &route);
             }
             Ok(None) => {
                 let req = Request::from_parts(parts, RequestBody::buffered(body));
-                let response = inner.call(req).await?;
-                return Ok(tag(
-                    without_owned_headers(response).map(ResponseBody::inner),
-                    Decision::PassedThrough,
-                    &route,
-                    None,
-                ));
+                return Step::Answer(inner.call(req).await.map(|response| {
+                    tag(
+                        without_owned_headers(response).map(ResponseBody::inner),
+                        Decision::PassedThrough,
+                        &route,
+                        None,
+                    )
+                }));
             }
-            Err(why) => {
-                return Ok(answer(
-                    Problem::invalid_key(why),
-                    Decision::InvalidKey,
-                    &route,
-                    None,
-                ));
-            }
+            Err(why) => return early(Problem::invalid_key(why), Decision::InvalidKey, &route),
         },
         // A header key source always yields a key or an early answer in `call`.
         (None, KeySource::Header(_)) => {
-            return Ok(answer(
-                Problem::internal(),
-                Decision::RequestRejected,
-                &route,
-                None,
-            ));
+            return early(Problem::internal(), Decision::RequestRejected, &route);
         }
     };
     let record = fingerprint::record_key(&route.name, &policy.scope_headers, &parts.headers, &key);
@@ -244,6 +252,7 @@ where
 }
 
 /// The life of one keyed request after its key and fingerprint are known.
+#[derive(Clone)]
 struct Keyed {
     shared: Arc<Shared>,
     route: Arc<Route>,
@@ -251,20 +260,17 @@ struct Keyed {
     fingerprint: FingerprintHash,
 }
 
-/// Where a keyed request's answer goes. Sending to a caller that hung up is not an error.
-type Reply<B, E> = oneshot::Sender<Answer<B, E>>;
-
 impl Keyed {
-    /// Claims the key and answers from what the store holds. The caller's task does this
-    /// itself, so a replay or a refusal costs no task of its own; only once the claim is
-    /// acquired does the work move to a task of its own, because from then on it must not
-    /// depend on the caller staying: a client that hangs up must not cancel an upstream call
-    /// half-way, nor leave a claim behind that never ran (see [`UndoClaim`]).
+    /// Claims the key and answers from what the store holds, in the caller's task: a replay or
+    /// a refusal costs no task of its own. Once the claim is acquired, the work is returned as
+    /// a [`Step::Run`]: it goes on in the caller's task, and in a task of its own if the caller
+    /// goes away, because from then on it must finish (see [`ResponseFuture::keyed`]).
+    /// Before the store has answered, a dropped claim is undone (see [`UndoClaim`]).
     async fn run<S, ReqB, ResB>(
         self,
         inner: S,
         req: Request<RequestBody<ReqB>>,
-    ) -> Answer<ResB, S::Error>
+    ) -> Step<ResB, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -286,9 +292,9 @@ impl Keyed {
         let mut poll = WAIT_POLL_MIN;
         let token = OwnerToken::generate();
         let claim = loop {
-            // Awaited in the caller's task. Until the store has answered, a claim may have
-            // landed that nobody will run: dropped armed (the store failed or timed out, or the
-            // client hung up), the guard undoes it.
+            // Until the store has answered, a claim may have landed that nobody will run:
+            // dropped armed (the store failed or timed out, or the client hung up), the guard
+            // undoes it.
             let undo = UndoClaim {
                 shared: &self.shared,
                 record: self.record,
@@ -312,22 +318,12 @@ impl Keyed {
             }
         };
         let answer = match claim {
+            // No await between the claim and handing back the work: once acquired, the claim
+            // is always run, completed or released, whatever the caller does.
             Ok(Claim::Acquired(token)) => {
-                // No await between the claim and this spawn: once acquired, the claim is
-                // always run, completed or released by the task, whatever the caller does.
-                let (tx, rx) = oneshot::channel();
-                let route = self.route.clone();
-                let record = self.record;
-                tokio::spawn(async move { self.execute(inner, req, token, tx).await });
-                return match rx.await {
-                    Ok(answer) => answer,
-                    Err(_) => Ok(answer(
-                        Problem::internal(),
-                        Decision::Executed,
-                        &route,
-                        Some(record),
-                    )),
-                };
+                return Step::Run(Box::pin(
+                    async move { self.execute(inner, req, token).await },
+                ));
             }
             Ok(Claim::Completed(completion)) => self.completed(completion),
             Ok(Claim::InFlight { .. }) => self.problem(
@@ -353,46 +349,35 @@ impl Keyed {
                     self.shared.stats.count_unprotected();
                     tracing::warn!(record = %self.record.short(), %error, "store failed; request forwarded without protection");
                     // Like a claimed request, it runs to its end even if the client leaves.
-                    let route = self.route.clone();
-                    let record = self.record;
-                    let pass = tokio::spawn(async move {
+                    return Step::Run(Box::pin(async move {
                         call(inner, req).await.map(|response| {
                             self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
                         })
-                    });
-                    return match pass.await {
-                        Ok(answer) => answer,
-                        Err(_) => Ok(answer(
-                            Problem::internal(),
-                            Decision::Unprotected,
-                            &route,
-                            Some(record),
-                        )),
-                    };
+                    }));
                 }
             },
         };
-        Ok(answer)
+        Step::Answer(Ok(answer))
     }
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
-    /// and answers the caller.
+    /// and answers.
     async fn execute<S, ReqB, ResB>(
         &self,
         inner: S,
         req: Request<RequestBody<ReqB>>,
         token: OwnerToken,
-        reply: Reply<ResB, S::Error>,
-    ) where
+    ) -> Answer<ResB, S::Error>
+    where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB::Error: Into<BoxError> + Send,
     {
         let _in_flight = self.shared.stats.enter();
-        // The lease is renewed while the work runs, polled beside it in this task.
+        // The lease is renewed while the work runs, polled beside it.
         tokio::select! {
             biased;
-            () = self.execute_claimed(inner, req, token, reply) => {}
+            answer = self.execute_claimed(inner, req, token) => answer,
             never = self.keep_lease(token) => match never {},
         }
     }
@@ -402,8 +387,8 @@ impl Keyed {
         inner: S,
         req: Request<RequestBody<ReqB>>,
         token: OwnerToken,
-        reply: Reply<ResB, S::Error>,
-    ) where
+    ) -> Answer<ResB, S::Error>
+    where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB::Error: Into<BoxError> + Send,
@@ -414,34 +399,24 @@ impl Keyed {
             Ok(response) => without_owned_headers(response),
             Err(error) => {
                 self.outcome_unknown(token).await;
-                let _ = reply.send(Err(error));
-                return;
+                return Err(error);
             }
         };
         match response.extensions().get::<UpstreamFailure>() {
             Some(UpstreamFailure::NotSent) => {
                 self.release(token).await;
-                let _ = reply.send(Ok(
-                    self.tag(response.map(ResponseBody::inner), Decision::Executed)
-                ));
-                return;
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
             }
             Some(UpstreamFailure::Unknown) => {
                 self.outcome_unknown(token).await;
-                let _ = reply.send(Ok(
-                    self.tag(response.map(ResponseBody::inner), Decision::Executed)
-                ));
-                return;
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
             }
             None => {}
         }
         if !policy.store_statuses.contains(response.status()) {
             // Not kept, so nothing to buffer: release first so the retry may run, then stream.
             self.release(token).await;
-            let _ = reply.send(Ok(
-                self.tag(response.map(ResponseBody::inner), Decision::Executed)
-            ));
-            return;
+            return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
         }
 
         let (parts, body) = response.into_parts();
@@ -454,42 +429,63 @@ impl Keyed {
                 };
                 self.complete(token, Completion::Response(stored)).await;
                 let response = Response::from_parts(parts, ResponseBody::full(body));
-                let _ = reply.send(Ok(self.tag(response, Decision::Executed)));
+                Ok(self.tag(response, Decision::Executed))
             }
             Err(Capped::Failed(error)) => {
                 let error: BoxError = error.into();
                 tracing::warn!(record = %self.record.short(), %error, "upstream response broke off");
                 self.outcome_unknown(token).await;
-                let answer =
-                    self.problem(Problem::response_interrupted(), Decision::OutcomeUnknown);
-                let _ = reply.send(Ok(answer));
+                Ok(self.problem(Problem::response_interrupted(), Decision::OutcomeUnknown))
             }
-            Err(Capped::Over { head, rest }) => {
-                self.relay_too_large(token, parts, head, rest, reply).await;
-            }
+            Err(Capped::Over { head, rest }) => Ok(self.relay_too_large(token, parts, head, rest)),
         }
     }
 
     /// Delivers a response over `max_response_bytes` whole while keeping only its status and
-    /// digest, so a retry is told it ran rather than running it again.
-    async fn relay_too_large<ResB, E>(
+    /// digest, so a retry is told it ran rather than running it again. The rest of the body
+    /// is read by a task of its own, under the lease, which then completes the record.
+    fn relay_too_large<ResB>(
         &self,
         token: OwnerToken,
         parts: http::response::Parts,
         head: Bytes,
+        rest: ResB,
+    ) -> Response<ResponseBody<ResB>>
+    where
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
+        let status = parts.status;
+        let (tx, rx) = mpsc::channel(RELAY_FRAMES);
+        let relay = self.clone();
+        let mut digest = Sha256::new();
+        digest.update(&head);
+        let read = head.len() as u64;
+        tokio::spawn(async move {
+            let _in_flight = relay.shared.stats.enter();
+            tokio::select! {
+                biased;
+                () = relay.relay_rest(token, status, (digest, read), rest, tx) => {}
+                never = relay.keep_lease(token) => match never {},
+            }
+        });
+        let response = Response::from_parts(parts, ResponseBody::relayed(head, rx));
+        self.tag(response, Decision::Executed)
+    }
+
+    /// Reads the rest of a relayed body to its end, sending it to the client while the client
+    /// stays, and completes the record with the body's length and digest.
+    async fn relay_rest<ResB>(
+        &self,
+        token: OwnerToken,
+        status: http::StatusCode,
+        (mut digest, mut len): (Sha256, u64),
         mut rest: ResB,
-        reply: Reply<ResB, E>,
+        tx: mpsc::Sender<Result<Bytes, BoxError>>,
     ) where
         ResB: Body<Data = Bytes> + Unpin,
         ResB::Error: Into<BoxError> + Send,
     {
-        let status = parts.status;
-        let mut digest = Sha256::new();
-        digest.update(&head);
-        let mut len = head.len() as u64;
-        let (tx, rx) = mpsc::channel(RELAY_FRAMES);
-        let response = Response::from_parts(parts, ResponseBody::relayed(head, rx));
-        let _ = reply.send(Ok(self.tag(response, Decision::Executed)));
         // A client that hung up stops receiving, but the body is still read to its end so the
         // record can be completed.
         let mut client = Some(tx);

@@ -11,7 +11,7 @@
 //! sent (release the key) or not known (the route's `unknown_outcome`).
 
 use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -44,17 +44,36 @@ pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-ho
 /// How long an unused pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// The address of the client a request came from, put on each request by the server.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClientAddr(pub SocketAddr);
-
-/// Sends requests with bodies of type `B` to the upstream.
-pub struct Forwarder<B> {
-    client: Client<HttpConnector, B>,
-    shared: Arc<ForwarderShared>,
+/// The client a request came from, put on each request by the server. Its address is rendered
+/// once per connection, not once per request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientAddr {
+    addr: SocketAddr,
+    ip: HeaderValue,
 }
 
-struct ForwarderShared {
+impl ClientAddr {
+    /// The client at `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        let ip = HeaderValue::try_from(addr.ip().to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        Self { addr, ip }
+    }
+
+    /// The client's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// Sends requests with bodies of type `B` to the upstream. A clone shares everything (one
+/// reference count), so the layer may clone it per request.
+pub struct Forwarder<B> {
+    shared: Arc<ForwarderShared<B>>,
+}
+
+struct ForwarderShared<B> {
+    client: Client<HttpConnector, B>,
     upstream: Upstream,
     timeout: Duration,
     metrics: Arc<Metrics>,
@@ -63,7 +82,6 @@ struct ForwarderShared {
 impl<B> Clone for Forwarder<B> {
     fn clone(&self) -> Self {
         Self {
-            client: self.client.clone(),
             shared: Arc::clone(&self.shared),
         }
     }
@@ -91,8 +109,8 @@ where
             .timer(TokioTimer::new())
             .build(connector);
         Self {
-            client,
             shared: Arc::new(ForwarderShared {
+                client,
                 upstream,
                 timeout,
                 metrics,
@@ -115,23 +133,18 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let client = self.client.clone();
         let shared = Arc::clone(&self.shared);
-        Box::pin(async move { Ok(forward(client, &shared, req).await) })
+        Box::pin(async move { Ok(forward(&shared, req).await) })
     }
 }
 
-async fn forward<B>(
-    client: Client<HttpConnector, B>,
-    shared: &ForwarderShared,
-    req: Request<B>,
-) -> Response<ProxyBody>
+async fn forward<B>(shared: &ForwarderShared<B>, req: Request<B>) -> Response<ProxyBody>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (mut parts, body) = req.into_parts();
-    let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.0.ip());
+    let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.ip.clone());
     let client_version = parts.version;
     let original_host = original_host(&parts.headers, &parts.uri);
     let Some(uri) = upstream_uri(&shared.upstream, &parts.uri) else {
@@ -145,7 +158,7 @@ where
     let request = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let result = tokio::time::timeout(shared.timeout, client.request(request)).await;
+    let result = tokio::time::timeout(shared.timeout, shared.client.request(request)).await;
     match result {
         Ok(Ok(response)) => {
             shared.metrics.observe_upstream(started.elapsed());
@@ -177,7 +190,10 @@ where
 
 /// The answer when the upstream gave none: the layer's problem response, marked with what
 /// happened to the request.
-fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Response<ProxyBody> {
+fn upstream_failure<B>(
+    kind: UpstreamErrorKind,
+    shared: &ForwarderShared<B>,
+) -> Response<ProxyBody> {
     shared.metrics.count_upstream_error(kind);
     let (problem, failure) = match kind {
         UpstreamErrorKind::Unreachable => {
@@ -205,16 +221,22 @@ fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
 /// The upstream target: the configured base URL followed by the request's path and query.
 /// Nothing of the client's target but its path and query is used.
 pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
-    let pq = target.path_and_query().map_or("/", PathAndQuery::as_str);
-    // `*` (OPTIONS) and the like get the `/` a path must start with.
-    let slash = if pq.starts_with('/') { "" } else { "/" };
-    let path_and_query: PathAndQuery = format!("{}{slash}{pq}", upstream.base_path).parse().ok()?;
-    Uri::builder()
-        .scheme(Scheme::HTTP)
-        .authority(upstream.authority.clone())
-        .path_and_query(path_and_query)
-        .build()
-        .ok()
+    let path_and_query = match target.path_and_query() {
+        // The common case, an upstream at its root: the client's path and query as they are
+        // (a clone shares their bytes).
+        Some(pq) if upstream.base_path.is_empty() && pq.as_str().starts_with('/') => pq.clone(),
+        pq => {
+            let pq = pq.map_or("/", PathAndQuery::as_str);
+            // `*` (OPTIONS) and the like get the `/` a path must start with.
+            let slash = if pq.starts_with('/') { "" } else { "/" };
+            format!("{}{slash}{pq}", upstream.base_path).parse().ok()?
+        }
+    };
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(Scheme::HTTP);
+    parts.authority = Some(upstream.authority.clone());
+    parts.path_and_query = Some(path_and_query);
+    Uri::from_parts(parts).ok()
 }
 
 /// Makes a client's headers fit to send upstream: hop-by-hop fields and headers only
@@ -222,7 +244,7 @@ pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
 /// and the `X-Forwarded-*` fields are added.
 pub fn prepare_request_headers(
     headers: &mut http::HeaderMap,
-    client_ip: Option<IpAddr>,
+    client_ip: Option<HeaderValue>,
     original_host: Option<HeaderValue>,
 ) {
     strip_hop_by_hop(headers);
@@ -243,21 +265,30 @@ pub fn prepare_request_headers(
 }
 
 /// Appends `ip` to the `X-Forwarded-For` chain, joining earlier fields into one.
-fn append_forwarded_for(headers: &mut http::HeaderMap, ip: IpAddr) {
-    let mut chain = String::new();
-    for value in headers.get_all(&X_FORWARDED_FOR) {
-        if let Ok(v) = value.to_str() {
-            let v = v.trim();
-            if !v.is_empty() {
-                chain.push_str(v);
-                chain.push_str(", ");
-            }
+fn append_forwarded_for(headers: &mut http::HeaderMap, ip: HeaderValue) {
+    let mut earlier = match headers.entry(X_FORWARDED_FOR) {
+        http::header::Entry::Vacant(slot) => {
+            slot.insert(ip);
+            return;
+        }
+        http::header::Entry::Occupied(earlier) => earlier,
+    };
+    let mut chain = Vec::new();
+    for value in earlier.iter() {
+        let v = value.as_bytes().trim_ascii();
+        if !v.is_empty() {
+            chain.extend_from_slice(v);
+            chain.extend_from_slice(b", ");
         }
     }
-    chain.push_str(&ip.to_string());
-    headers.remove(&X_FORWARDED_FOR);
-    if let Ok(value) = HeaderValue::from_str(&chain) {
-        headers.insert(X_FORWARDED_FOR, value);
+    chain.extend_from_slice(ip.as_bytes());
+    match HeaderValue::from_bytes(&chain) {
+        Ok(joined) => {
+            earlier.insert(joined);
+        }
+        Err(_) => {
+            earlier.remove();
+        }
     }
 }
 
@@ -377,7 +408,7 @@ mod tests {
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
         let host = h.get(HOST).cloned();
-        prepare_request_headers(&mut h, Some("192.0.2.7".parse().unwrap()), host);
+        prepare_request_headers(&mut h, Some(HeaderValue::from_static("192.0.2.7")), host);
         for gone in [
             "connection",
             "x-hop",

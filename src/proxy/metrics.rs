@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
+use crate::response::Decision;
 use crate::store::{Claim, ClaimOptions, Store, StoreError, Transition};
 
 /// Upper bounds of the latency histogram buckets, in seconds.
@@ -150,10 +151,61 @@ pub struct LayerCounters {
     pub in_flight: u64,
 }
 
+/// Requests by route and decision. The configured routes' counters are plain atomics, found
+/// by a scan of a few names; a route not configured (only possible through the library API)
+/// is counted under a lock.
+#[derive(Debug, Default)]
+struct RequestCounters {
+    routes: Vec<(Arc<str>, [AtomicU64; Decision::ALL.len()])>,
+    others: Mutex<BTreeMap<(Arc<str>, Decision), u64>>,
+}
+
+impl RequestCounters {
+    fn count(&self, route: &str, decision: Decision) {
+        match self.routes.iter().find(|(name, _)| &**name == route) {
+            Some((_, counts)) => {
+                counts[decision as usize].fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                let mut others = self
+                    .others
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                *others.entry((Arc::from(route), decision)).or_insert(0) += 1;
+            }
+        }
+    }
+
+    fn get(&self, route: &str, decision: Decision) -> u64 {
+        self.snapshot()
+            .get(&(Arc::from(route), decision))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Every non-zero count, ordered by route name and then decision.
+    fn snapshot(&self) -> BTreeMap<(Arc<str>, Decision), u64> {
+        let mut all = self
+            .others
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for (name, counts) in &self.routes {
+            for (decision, count) in Decision::ALL.into_iter().zip(counts) {
+                let n = count.load(Ordering::Relaxed);
+                if n > 0 {
+                    *all.entry((Arc::clone(name), decision)).or_insert(0) += n;
+                }
+            }
+        }
+        all
+    }
+}
+
 /// Everything the gateway counts.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(Arc<str>, &'static str), u64>>,
+    requests: RequestCounters,
     upstream: Histogram,
     upstream_errors: [AtomicU64; UpstreamErrorKind::ALL.len()],
     store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
@@ -166,26 +218,29 @@ impl Metrics {
         Arc::new(Self::default())
     }
 
-    /// Counts one handled request.
-    pub fn count_request(&self, route: &Arc<str>, outcome: &'static str) {
-        let mut requests = self
-            .requests
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *requests.entry((Arc::clone(route), outcome)).or_insert(0) += 1;
+    /// Empty metrics with a lock-free request counter for each of `routes` (the configured
+    /// route names); requests on other routes are counted too, under a lock.
+    pub fn with_routes<'a>(routes: impl IntoIterator<Item = &'a str>) -> Arc<Self> {
+        Arc::new(Self {
+            requests: RequestCounters {
+                routes: routes
+                    .into_iter()
+                    .map(|name| (Arc::from(name), Default::default()))
+                    .collect(),
+                others: Mutex::default(),
+            },
+            ..Self::default()
+        })
     }
 
-    /// How many requests were counted for `route` and `outcome`.
-    pub fn requests(&self, route: &str, outcome: &str) -> u64 {
-        let requests = self
-            .requests
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        requests
-            .iter()
-            .filter(|((r, o), _)| &**r == route && *o == outcome)
-            .map(|(_, n)| *n)
-            .sum()
+    /// Counts one handled request.
+    pub fn count_request(&self, route: &str, decision: Decision) {
+        self.requests.count(route, decision);
+    }
+
+    /// How many requests were counted for `route` and `decision`.
+    pub fn requests(&self, route: &str, decision: Decision) -> u64 {
+        self.requests.get(route, decision)
     }
 
     /// Records how long the upstream took to answer with a response head.
@@ -216,18 +271,13 @@ impl Metrics {
             "# HELP idemgate_requests_total Requests handled, by route and the gateway's decision.\n\
              # TYPE idemgate_requests_total counter\n",
         );
-        {
-            let requests = self
-                .requests
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            for ((route, outcome), n) in requests.iter() {
-                let _ = writeln!(
-                    out,
-                    "idemgate_requests_total{{route=\"{}\",outcome=\"{outcome}\"}} {n}",
-                    escape_label(route)
-                );
-            }
+        for ((route, decision), n) in self.requests.snapshot() {
+            let _ = writeln!(
+                out,
+                "idemgate_requests_total{{route=\"{}\",outcome=\"{}\"}} {n}",
+                escape_label(&route),
+                decision.as_str()
+            );
         }
         out.push_str(
             "# HELP idemgate_upstream_duration_seconds Time from sending a request upstream to its response head.\n\
@@ -488,9 +538,9 @@ mod tests {
     fn requests_render_by_route_and_outcome() {
         let m = Metrics::new();
         let route: Arc<str> = Arc::from("pay\"ments");
-        m.count_request(&route, "executed");
-        m.count_request(&route, "executed");
-        m.count_request(&route, "replayed");
+        m.count_request(&route, Decision::Executed);
+        m.count_request(&route, Decision::Executed);
+        m.count_request(&route, Decision::Replayed);
         let text = m.render(
             "memory",
             LayerCounters {
@@ -511,7 +561,20 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("idemgate_records_in_flight 4\n"), "{text}");
-        assert_eq!(m.requests("pay\"ments", "executed"), 2);
+        assert_eq!(m.requests("pay\"ments", Decision::Executed), 2);
+        let configured = Metrics::with_routes(["pay\"ments"]);
+        configured.count_request("pay\"ments", Decision::Executed);
+        configured.count_request("other", Decision::Executed);
+        assert_eq!(configured.requests("pay\"ments", Decision::Executed), 1);
+        assert_eq!(configured.requests("other", Decision::Executed), 1);
+        let text = configured.render("memory", LayerCounters::default());
+        let other = text
+            .find("idemgate_requests_total{route=\"other\",outcome=\"executed\"} 1\n")
+            .expect("a route not configured is counted");
+        let known = text
+            .find("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 1\n")
+            .expect("a configured route is counted");
+        assert!(other < known, "routes are listed by name:\n{text}");
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let value = line.rsplit(' ').next().unwrap_or("");
             assert!(value.parse::<f64>().is_ok(), "bad sample line {line:?}");

@@ -7,7 +7,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -151,7 +151,11 @@ pub async fn open_store(
 /// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    let metrics = Metrics::new();
+    let metrics = Metrics::with_routes(
+        std::iter::once(&settings.default_route)
+            .chain(settings.routes.iter().map(|r| &r.policy))
+            .map(|policy| policy.route_name()),
+    );
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
@@ -321,7 +325,7 @@ async fn accept_loop<S, B>(
         let _ = stream.set_nodelay(true);
         let front = Front {
             inner: service.clone(),
-            peer,
+            client: ClientAddr::new(peer),
             metrics: Arc::clone(&metrics),
         };
         let builder = builder.clone();
@@ -351,7 +355,7 @@ async fn serve_connection<S, B>(
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let activity = Arc::new(Activity::new());
+    let activity = Arc::new(Activity::default());
     let io = TokioIo::new(ActivityIo {
         inner: stream,
         activity: Arc::clone(&activity),
@@ -363,8 +367,13 @@ async fn serve_connection<S, B>(
         conn.as_mut().graceful_shutdown();
         closing = true;
     }
+    // The watchdog looks at the connection a few times per allowed quiet period instead of
+    // every read and write reading the clock: a quiet connection is closed after its period
+    // and at most a quarter more.
+    let mut last_moved = Instant::now();
     loop {
-        let deadline = activity.deadline(&limits);
+        let allowed = activity.allowed_quiet(&limits);
+        let check = tokio::time::sleep(allowed / WATCHDOG_CHECKS);
         tokio::select! {
             result = conn.as_mut() => {
                 if let Err(error) = result {
@@ -377,8 +386,11 @@ async fn serve_connection<S, B>(
                 conn.as_mut().graceful_shutdown();
                 closing = true;
             }
-            () = tokio::time::sleep_until(deadline.into()), if !closing => {
-                if Instant::now() >= activity.deadline(&limits) {
+            () = check, if !closing => {
+                let now = Instant::now();
+                if activity.take_moved() {
+                    last_moved = now;
+                } else if now.duration_since(last_moved) >= allowed {
                     // No bytes either way for the idle timeout (or none at all since the
                     // connection opened, for the header timeout): close it. An HTTP/1.1
                     // request in progress still gets its response first.
@@ -390,40 +402,37 @@ async fn serve_connection<S, B>(
     }
 }
 
-/// When a connection last moved bytes.
+/// How many times per allowed quiet period the watchdog looks at a connection.
+const WATCHDOG_CHECKS: u32 = 4;
+
+/// Whether a connection moved bytes since the watchdog last looked. Reads and writes only set
+/// flags: no clock is read per I/O.
+#[derive(Default)]
 struct Activity {
-    opened: Instant,
-    last_millis: AtomicU64,
+    moved: AtomicBool,
     any_read: AtomicBool,
 }
 
 impl Activity {
-    fn new() -> Self {
-        Self {
-            opened: Instant::now(),
-            last_millis: AtomicU64::new(0),
-            any_read: AtomicBool::new(false),
-        }
-    }
-
     fn touch(&self, read: bool) {
-        let millis = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_millis.store(millis, Ordering::Relaxed);
+        self.moved.store(true, Ordering::Relaxed);
         if read {
             self.any_read.store(true, Ordering::Relaxed);
         }
     }
 
-    fn deadline(&self, limits: &Limits) -> Instant {
-        let last = self.opened + Duration::from_millis(self.last_millis.load(Ordering::Relaxed));
-        // Before its first byte a connection gets the header timeout: hyper's own timer only
-        // starts once it knows the protocol.
-        let allowed = if self.any_read.load(Ordering::Relaxed) {
+    fn take_moved(&self) -> bool {
+        self.moved.swap(false, Ordering::Relaxed)
+    }
+
+    /// How long the connection may stay quiet. Before its first byte a connection gets the
+    /// header timeout: hyper's own timer only starts once it knows the protocol.
+    fn allowed_quiet(&self, limits: &Limits) -> Duration {
+        if self.any_read.load(Ordering::Relaxed) {
             limits.idle_timeout
         } else {
             limits.header_read_timeout
-        };
-        last + allowed
+        }
     }
 }
 
@@ -494,7 +503,7 @@ impl AsyncWrite for ActivityIo {
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
-    peer: SocketAddr,
+    client: ClientAddr,
     metrics: Arc<Metrics>,
 }
 
@@ -509,24 +518,93 @@ where
 {
     type Response = Response<B>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
+    type Future = FrontFuture<S::Future, B>;
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
-        req.extensions_mut().insert(ClientAddr(self.peer));
-        let method = req.method().clone();
-        // A clone of the URI shares its bytes; the path is cut to length only if it is logged.
-        let uri = req.uri().clone();
-        let started = Instant::now();
+        req.extensions_mut().insert(self.client.clone());
+        let log = RequestLog {
+            method: req.method().clone(),
+            // A clone of the URI shares its bytes; the path is cut to length only if logged.
+            uri: req.uri().clone(),
+            started: Instant::now(),
+            metrics: Arc::clone(&self.metrics),
+            peer: self.client.addr(),
+        };
         let mut inner = self.inner.clone();
-        let metrics = Arc::clone(&self.metrics);
-        let peer = self.peer;
-        Box::pin(async move {
-            std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-            let Ok(response) = inner.call(req).await;
-            let path = LoggedPath(uri.path());
-            log_request(&metrics, &response, &method, path, peer, started.elapsed());
-            Ok(response)
-        })
+        // The layer in front of the forwarder is always ready; a service that is not yet gets
+        // a task-owned wait.
+        let noop = &mut Context::from_waker(std::task::Waker::noop());
+        let call = match inner.poll_ready(noop) {
+            Poll::Ready(Ok(())) => Call::Called {
+                future: inner.call(req),
+            },
+            Poll::Pending => Call::Waiting {
+                future: Box::pin(async move {
+                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                    inner.call(req).await
+                }),
+            },
+        };
+        FrontFuture { call, log }
+    }
+}
+
+type BoxedCall<B> = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
+
+pin_project_lite::pin_project! {
+    /// A request in the front service: the layer's future, then its log line.
+    struct FrontFuture<F, B> {
+        #[pin]
+        call: Call<F, B>,
+        log: RequestLog,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = CallProj]
+    enum Call<F, B> {
+        Called { #[pin] future: F },
+        Waiting { future: BoxedCall<B> },
+    }
+}
+
+impl<F, B> Future for FrontFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, Infallible>>,
+{
+    type Output = Result<Response<B>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Ok(response) = std::task::ready!(match this.call.project() {
+            CallProj::Called { future } => future.poll(cx),
+            CallProj::Waiting { future } => future.as_mut().poll(cx),
+        });
+        this.log.write(&response);
+        Poll::Ready(Ok(response))
+    }
+}
+
+/// What a request's log line needs from its start.
+struct RequestLog {
+    method: http::Method,
+    uri: http::Uri,
+    started: Instant,
+    metrics: Arc<Metrics>,
+    peer: SocketAddr,
+}
+
+impl RequestLog {
+    fn write<B>(&self, response: &Response<B>) {
+        let path = LoggedPath(self.uri.path());
+        log_request(
+            &self.metrics,
+            response,
+            &self.method,
+            path,
+            self.peer,
+            self.started.elapsed(),
+        );
     }
 }
 
@@ -572,7 +650,7 @@ fn log_request<B>(
         return;
     };
     let decision = outcome.decision.as_str();
-    metrics.count_request(&outcome.route, decision);
+    metrics.count_request(&outcome.route, outcome.decision);
     let record = LoggedRecord(outcome.record);
     if outcome.decision == crate::response::Decision::PassedThrough {
         tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, client = %peer.ip(), "request");

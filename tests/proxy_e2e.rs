@@ -421,6 +421,41 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn upstream_connections_are_kept_alive_and_closed_ones_replaced() {
+    let s = setup().await;
+    for i in 0..10 {
+        let k = format!("k-alive-{i}");
+        assert_eq!(
+            send("POST", &s.gw.url("/alive"), &[], "x").await.status,
+            201
+        );
+        let first = send("POST", &s.gw.url("/alive-keyed"), &[key(&k)], "x").await;
+        assert_eq!(first.status, 201);
+        let retry = send("POST", &s.gw.url("/alive-keyed"), &[key(&k)], "x").await;
+        assert_eq!(retry.body, first.body);
+    }
+    assert_eq!(
+        s.upstream.hits("/alive") + s.upstream.hits("/alive-keyed"),
+        20
+    );
+    let kept = s.upstream.connections();
+    assert!(
+        kept <= 2,
+        "20 sequential upstream requests opened {kept} connections"
+    );
+    // An upstream that closes each connection after its response: every request still runs,
+    // once; the first on a kept connection, each of the others on a new one.
+    for _ in 0..5 {
+        assert_eq!(
+            send("POST", &s.gw.url("/close"), &[], "x").await.status,
+            201
+        );
+    }
+    assert_eq!(s.upstream.hits("/close"), 5);
+    assert_eq!(s.upstream.connections(), kept + 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn slow_upstream_is_504() {
     let s = setup().await;
     let r = send(

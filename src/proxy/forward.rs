@@ -19,18 +19,17 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{HOST, HeaderName, HeaderValue};
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper::client::conn::http1::SendRequest;
 use tower_service::Service;
 
 use super::ErrorChain;
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
+use super::pool::{ConnectError, Pool, Pooled};
 use crate::headers::strip_hop_by_hop;
 use crate::response::{IDEMPOTENT_REPLAYED, Problem, UpstreamFailure};
 
@@ -40,9 +39,6 @@ pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for
 pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 /// `X-Forwarded-Host`.
 pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// How long an unused pooled upstream connection is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The client a request came from, put on each request by the server. Its address is rendered
 /// once per connection, not once per request.
@@ -73,7 +69,9 @@ pub struct Forwarder<B> {
 }
 
 struct ForwarderShared<B> {
-    client: Client<HttpConnector, B>,
+    pool: Arc<Pool<B>>,
+    /// The `Host` sent upstream: the upstream's own authority.
+    host: HeaderValue,
     upstream: Upstream,
     timeout: Duration,
     metrics: Arc<Metrics>,
@@ -100,17 +98,11 @@ where
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(connector);
+        let pool = Pool::new(upstream.authority.clone(), connect_timeout);
         Self {
             shared: Arc::new(ForwarderShared {
-                client,
+                host: pool.host_header(),
+                pool,
                 upstream,
                 timeout,
                 metrics,
@@ -124,7 +116,7 @@ where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    type Response = Response<ProxyBody>;
+    type Response = Response<ProxyBody<B>>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
@@ -138,7 +130,7 @@ where
     }
 }
 
-async fn forward<B>(shared: &ForwarderShared<B>, req: Request<B>) -> Response<ProxyBody>
+async fn forward<B>(shared: &ForwarderShared<B>, req: Request<B>) -> Response<ProxyBody<B>>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -147,33 +139,34 @@ where
     let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.ip.clone());
     let client_version = parts.version;
     let original_host = original_host(&parts.headers, &parts.uri);
-    let Some(uri) = upstream_uri(&shared.upstream, &parts.uri) else {
-        // Only a target that cannot be joined to the base URL gets here; nothing was sent.
+    let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
+        // Only a target that cannot be joined to the base path gets here; nothing was sent.
         return upstream_failure(UpstreamErrorKind::Unreachable, shared);
     };
     prepare_request_headers(&mut parts.headers, client_ip, original_host);
-    parts.uri = uri;
+    parts.headers.insert(HOST, shared.host.clone());
+    parts.uri = Uri::from(target);
     // The upstream connection is HTTP/1.1 whatever the client spoke (h2c included).
     parts.version = Version::HTTP_11;
     let request = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let result = tokio::time::timeout(shared.timeout, shared.client.request(request)).await;
+    let result = tokio::time::timeout(shared.timeout, send(&shared.pool, request)).await;
     match result {
-        Ok(Ok(response)) => {
+        Ok(Ok((response, sender))) => {
             shared.metrics.observe_upstream(started.elapsed());
             let (mut parts, body) = response.into_parts();
             prepare_response_headers(&mut parts.headers);
             // Answer in the client's protocol version, whatever the upstream spoke (an
             // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
             parts.version = client_version;
-            Response::from_parts(parts, ProxyBody::upstream(body))
+            let pooled = Pooled::new(sender, Arc::clone(&shared.pool));
+            Response::from_parts(parts, ProxyBody::upstream(body, pooled))
         }
         Ok(Err(error)) => {
-            let kind = if error.is_connect() {
-                UpstreamErrorKind::Unreachable
-            } else {
-                UpstreamErrorKind::Reset
+            let kind = match error {
+                SendError::Connect(_) | SendError::NotSent(_) => UpstreamErrorKind::Unreachable,
+                SendError::Sent(_) => UpstreamErrorKind::Reset,
             };
             tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
             upstream_failure(kind, shared)
@@ -188,12 +181,56 @@ where
     }
 }
 
+/// Why the upstream gave no response.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    /// No connection could be had: nothing was sent.
+    #[error(transparent)]
+    Connect(ConnectError),
+    /// A new connection refused the request before any of it was written.
+    #[error("the upstream connection closed before the request was sent")]
+    NotSent(#[source] hyper::Error),
+    /// The request was (or may have been) sent, and no response came.
+    #[error("the upstream gave no response")]
+    Sent(#[source] hyper::Error),
+}
+
+/// Sends `request` on an idle connection, or on a new one; an idle connection that turns out
+/// to be closing before the request was written to it gets the request sent on a new one.
+/// Answers with the response head and the connection it came on.
+async fn send<B>(
+    pool: &Pool<B>,
+    mut request: Request<B>,
+) -> Result<(Response<Incoming>, SendRequest<B>), SendError>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if let Some(mut sender) = pool.take_idle() {
+        match sender.try_send_request(request).await {
+            Ok(response) => return Ok((response, sender)),
+            Err(mut error) => match error.take_message() {
+                Some(unsent) => request = unsent,
+                None => return Err(SendError::Sent(error.into_error())),
+            },
+        }
+    }
+    let mut sender = pool.connect().await.map_err(SendError::Connect)?;
+    match sender.try_send_request(request).await {
+        Ok(response) => Ok((response, sender)),
+        Err(mut error) => match error.take_message() {
+            Some(_) => Err(SendError::NotSent(error.into_error())),
+            None => Err(SendError::Sent(error.into_error())),
+        },
+    }
+}
+
 /// The answer when the upstream gave none: the layer's problem response, marked with what
 /// happened to the request.
 fn upstream_failure<B>(
     kind: UpstreamErrorKind,
     shared: &ForwarderShared<B>,
-) -> Response<ProxyBody> {
+) -> Response<ProxyBody<B>> {
     shared.metrics.count_upstream_error(kind);
     let (problem, failure) = match kind {
         UpstreamErrorKind::Unreachable => {
@@ -218,25 +255,22 @@ fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
     })
 }
 
-/// The upstream target: the configured base URL followed by the request's path and query.
-/// Nothing of the client's target but its path and query is used.
-pub fn upstream_uri(upstream: &Upstream, target: &Uri) -> Option<Uri> {
-    let path_and_query = match target.path_and_query() {
+/// The request target sent upstream (origin-form): the upstream's base path followed by the
+/// request's path and query. Nothing of the client's target but its path and query is used.
+pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery> {
+    match target.path_and_query() {
         // The common case, an upstream at its root: the client's path and query as they are
         // (a clone shares their bytes).
-        Some(pq) if upstream.base_path.is_empty() && pq.as_str().starts_with('/') => pq.clone(),
+        Some(pq) if upstream.base_path.is_empty() && pq.as_str().starts_with('/') => {
+            Some(pq.clone())
+        }
         pq => {
             let pq = pq.map_or("/", PathAndQuery::as_str);
             // `*` (OPTIONS) and the like get the `/` a path must start with.
             let slash = if pq.starts_with('/') { "" } else { "/" };
-            format!("{}{slash}{pq}", upstream.base_path).parse().ok()?
+            format!("{}{slash}{pq}", upstream.base_path).parse().ok()
         }
-    };
-    let mut parts = http::uri::Parts::default();
-    parts.scheme = Some(Scheme::HTTP);
-    parts.authority = Some(upstream.authority.clone());
-    parts.path_and_query = Some(path_and_query);
-    Uri::from_parts(parts).ok()
+    }
 }
 
 /// Makes a client's headers fit to send upstream: hop-by-hop fields and headers only
@@ -299,25 +333,51 @@ pub fn prepare_response_headers(headers: &mut http::HeaderMap) {
     headers.remove(IDEMPOTENT_REPLAYED);
 }
 
-/// A response body: the upstream's, streamed, or one the gateway made.
+/// A response body: the upstream's, streamed (its connection goes back to the pool once the
+/// body has been read to its end), or one the gateway made.
 #[derive(Debug)]
-pub struct ProxyBody {
-    inner: ProxyBodyInner,
+pub struct ProxyBody<B> {
+    inner: ProxyBodyInner<B>,
 }
 
 #[derive(Debug)]
-enum ProxyBodyInner {
-    Upstream(Incoming),
+enum ProxyBodyInner<B> {
+    Upstream {
+        body: Incoming,
+        connection: Option<Pooled<B>>,
+    },
     Full(Option<Bytes>),
 }
 
-impl ProxyBody {
-    fn upstream(body: Incoming) -> Self {
+impl<B> ProxyBody<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn upstream(body: Incoming, connection: Pooled<B>) -> Self {
+        let mut connection = Some(connection);
+        if body.is_end_stream() {
+            // No body to read (`204`, `Content-Length: 0`): the connection is free now.
+            put_back(&mut connection);
+        }
         Self {
-            inner: ProxyBodyInner::Upstream(body),
+            inner: ProxyBodyInner::Upstream { body, connection },
         }
     }
+}
 
+/// Returns a response's connection to its pool, once.
+fn put_back<B>(connection: &mut Option<Pooled<B>>)
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if let Some(connection) = connection.take() {
+        connection.put_back();
+    }
+}
+
+impl<B> ProxyBody<B> {
     /// A body of `bytes`, sent whole.
     pub fn full(bytes: Bytes) -> Self {
         Self {
@@ -326,7 +386,11 @@ impl ProxyBody {
     }
 }
 
-impl Body for ProxyBody {
+impl<B> Body for ProxyBody<B>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     type Data = Bytes;
     type Error = hyper::Error;
 
@@ -335,21 +399,35 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match &mut self.get_mut().inner {
-            ProxyBodyInner::Upstream(body) => Pin::new(body).poll_frame(cx),
+            ProxyBodyInner::Upstream { body, connection } => {
+                let frame = Pin::new(&mut *body).poll_frame(cx);
+                match &frame {
+                    Poll::Ready(None) => {
+                        put_back(connection);
+                    }
+                    Poll::Ready(Some(Ok(_))) if body.is_end_stream() => {
+                        put_back(connection);
+                    }
+                    // A broken response leaves its connection unusable: it closes with it.
+                    Poll::Ready(Some(Err(_))) => drop(connection.take()),
+                    _ => {}
+                }
+                frame
+            }
             ProxyBodyInner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.inner {
-            ProxyBodyInner::Upstream(body) => body.is_end_stream(),
+            ProxyBodyInner::Upstream { body, .. } => body.is_end_stream(),
             ProxyBodyInner::Full(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            ProxyBodyInner::Upstream(body) => body.size_hint(),
+            ProxyBodyInner::Upstream { body, .. } => body.size_hint(),
             ProxyBodyInner::Full(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
@@ -369,21 +447,20 @@ mod tests {
     fn target_comes_only_from_the_config() {
         let up = upstream("http://127.0.0.1:3000");
         let cases = [
-            ("/pay?x=1", "http://127.0.0.1:3000/pay?x=1"),
-            (
-                "http://evil.test:666/pay?x=1",
-                "http://127.0.0.1:3000/pay?x=1",
-            ),
-            ("*", "http://127.0.0.1:3000/*"),
-            ("/", "http://127.0.0.1:3000/"),
+            ("/pay?x=1", "/pay?x=1"),
+            ("http://evil.test:666/pay?x=1", "/pay?x=1"),
+            ("*", "/*"),
+            ("/", "/"),
         ];
         for (target, want) in cases {
-            let got = upstream_uri(&up, &target.parse().unwrap()).unwrap();
-            assert_eq!(got.to_string(), want, "target {target}");
+            let got = upstream_target(&up, &target.parse().unwrap()).unwrap();
+            assert_eq!(got.as_str(), want, "target {target}");
         }
         let based = upstream("http://127.0.0.1:3000/api/");
-        let got = upstream_uri(&based, &"/v1/pay".parse().unwrap()).unwrap();
-        assert_eq!(got.to_string(), "http://127.0.0.1:3000/api/v1/pay");
+        let got = upstream_target(&based, &"/v1/pay".parse().unwrap()).unwrap();
+        assert_eq!(got.as_str(), "/api/v1/pay");
+        let got = upstream_target(&based, &"*".parse().unwrap()).unwrap();
+        assert_eq!(got.as_str(), "/api/*");
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! - [`config`]: the TOML file, overrides and validation.
-//! - [`forward`]: the pooled client to the upstream, header rules.
+//! - [`forward`]: the forwarder to the upstream: targets, header rules, upstream failures.
+//! - [`pool`]: the keep-alive connections to the upstream.
 //! - [`server`]: the listeners, connection limits, graceful shutdown.
 //! - [`admin`]: health, readiness, metrics and the record endpoints.
 //! - [`metrics`]: counters, histograms and the instrumented store.
@@ -17,6 +18,7 @@ pub mod admin;
 pub mod config;
 pub mod forward;
 pub mod metrics;
+pub mod pool;
 pub mod server;
 
 use std::io::Write as _;

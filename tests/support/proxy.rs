@@ -76,6 +76,8 @@ pub struct UpstreamState {
     finished: AtomicU64,
     /// Headers of the last request.
     last_headers: Mutex<Option<HeaderMap>>,
+    /// Connections accepted.
+    connections: AtomicU64,
 }
 
 /// An HTTP/1.1 upstream on 127.0.0.1 that counts executions and echoes what it received.
@@ -84,6 +86,7 @@ pub struct UpstreamState {
 /// - `/status/NNN` or `x-status: NNN` answers with status NNN; everything else answers `201`.
 /// - `/spoof…` adds hop-by-hop headers and a forged `Idempotent-Replayed: true`.
 /// - `/stream…` answers a 3-chunk body.
+/// - `/close…` answers with `Connection: close` (the connection ends after the response).
 /// - The body is JSON: `{"path", "n" (hits on this path so far), "body_len", "headers"}`.
 pub struct TestUpstream {
     pub addr: SocketAddr,
@@ -106,6 +109,7 @@ impl TestUpstream {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
+                shared.connections.fetch_add(1, Ordering::SeqCst);
                 let state = Arc::clone(&shared);
                 tokio::spawn(async move {
                     let service =
@@ -121,6 +125,11 @@ impl TestUpstream {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Connections the upstream accepted.
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::SeqCst)
     }
 
     /// Requests that reached the handler on `path`.
@@ -215,6 +224,9 @@ async fn handle(
     let h = response.headers_mut();
     h.insert("content-type", HeaderValue::from_static("application/json"));
     h.insert("x-upstream-n", HeaderValue::from(n));
+    if path.starts_with("/close") {
+        h.insert("connection", HeaderValue::from_static("close"));
+    }
     if path.starts_with("/spoof") {
         h.insert("idempotent-replayed", HeaderValue::from_static("true"));
         h.insert("connection", HeaderValue::from_static("x-internal"));

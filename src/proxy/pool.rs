@@ -1,0 +1,344 @@
+//! Keep-alive HTTP/1.1 connections to the upstream.
+//!
+//! Each connection is a hyper client connection driven by a task of its own. A request takes
+//! an idle connection (the most recently used that is ready) or opens one; the connection
+//! comes back to the pool when its response body has been read to the end (see
+//! [`Pooled`]). A response dropped before its end takes its connection with it: HTTP/1.1
+//! cannot reuse a connection with a response half-read.
+//!
+//! The pool holds at most [`MAX_IDLE`] idle connections; a connection idle for two reaper
+//! rounds ([`REAP_EVERY`], so between one and two rounds) is closed.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::HeaderValue;
+use http::uri::Authority;
+use http_body::Body;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use super::ErrorChain;
+
+/// Most idle connections kept; more are closed as they come back.
+pub const MAX_IDLE: usize = 512;
+/// How often idle connections are checked; one idle for two checks is closed.
+pub const REAP_EVERY: Duration = Duration::from_secs(45);
+
+/// Why no connection could be had. Nothing was sent.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The TCP connection failed.
+    #[error("cannot connect to the upstream {authority}")]
+    Connect {
+        /// Where to.
+        authority: Authority,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The TCP connection took longer than the connect timeout.
+    #[error("connecting to the upstream {authority} took longer than {after:?}")]
+    Timeout {
+        /// Where to.
+        authority: Authority,
+        /// The connect timeout.
+        after: Duration,
+    },
+    /// The HTTP/1.1 handshake failed.
+    #[error("HTTP handshake with the upstream failed")]
+    Handshake(#[source] hyper::Error),
+}
+
+/// Idle upstream connections, shared by every request.
+pub struct Pool<B> {
+    authority: Authority,
+    host: String,
+    port: u16,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<Idle<B>>>,
+    /// Bumped by the reaper each round.
+    round: AtomicU64,
+}
+
+struct Idle<B> {
+    sender: SendRequest<B>,
+    round: u64,
+}
+
+impl<B> Pool<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    /// A pool of connections to `authority` that gives up connecting after `connect_timeout`.
+    /// Made inside a runtime, it starts its reaper there; the reaper stops with the pool.
+    pub fn new(authority: Authority, connect_timeout: Duration) -> Arc<Self> {
+        // `[::1]` names an IPv6 address; the socket wants it bare.
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let port = authority.port_u16().unwrap_or(80);
+        let pool = Arc::new(Self {
+            authority,
+            host,
+            port,
+            connect_timeout,
+            idle: Mutex::new(Vec::new()),
+            round: AtomicU64::new(0),
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(reap(Arc::downgrade(&pool)));
+        }
+        pool
+    }
+
+    /// The `Host` of requests sent through this pool.
+    pub fn host_header(&self) -> HeaderValue {
+        HeaderValue::from_str(self.authority.as_str())
+            .unwrap_or_else(|_| HeaderValue::from_static("localhost"))
+    }
+
+    /// An idle connection that is ready for a request, if there is one.
+    pub fn take_idle(&self) -> Option<SendRequest<B>> {
+        let mut idle = self.lock();
+        // The most recently used first: its socket is the warmest. Closed ones are dropped on
+        // the way; one still finishing its last response stays for later.
+        while let Some(at) = idle
+            .iter()
+            .rposition(|e| e.sender.is_ready() || e.sender.is_closed())
+        {
+            let entry = idle.swap_remove(at);
+            if !entry.sender.is_closed() {
+                return Some(entry.sender);
+            }
+        }
+        None
+    }
+
+    /// Opens a new connection and starts the task that drives it.
+    pub async fn connect(&self) -> Result<SendRequest<B>, ConnectError> {
+        let connecting = TcpStream::connect((self.host.as_str(), self.port));
+        let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(source)) => {
+                return Err(ConnectError::Connect {
+                    authority: self.authority.clone(),
+                    source,
+                });
+            }
+            Err(_) => {
+                return Err(ConnectError::Timeout {
+                    authority: self.authority.clone(),
+                    after: self.connect_timeout,
+                });
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (sender, connection) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(ConnectError::Handshake)?;
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(error = %ErrorChain(&error), "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+
+    /// Takes back a connection whose response was read to its end.
+    pub fn put_back(&self, sender: SendRequest<B>) {
+        if sender.is_closed() {
+            return;
+        }
+        let round = self.round.load(Ordering::Relaxed);
+        let mut idle = self.lock();
+        if idle.len() < MAX_IDLE {
+            idle.push(Idle { sender, round });
+        }
+    }
+
+    /// Idle connections held now.
+    pub fn idle_count(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle<B>>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// One reaper round: closes connections idle since before the previous round.
+    fn reap_round(&self) {
+        let round = self.round.fetch_add(1, Ordering::Relaxed) + 1;
+        self.lock()
+            .retain(|e| e.round + 2 > round && !e.sender.is_closed());
+    }
+}
+
+async fn reap<B>(pool: Weak<Pool<B>>)
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut ticks = tokio::time::interval(REAP_EVERY);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        pool.reap_round();
+    }
+}
+
+/// A connection lent to one request, returned to its pool when the response has been read
+/// to its end; dropped with the response otherwise (which closes it).
+pub struct Pooled<B> {
+    sender: SendRequest<B>,
+    pool: Arc<Pool<B>>,
+}
+
+impl<B> Pooled<B>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    /// Lends `sender` (from `pool`) to a response.
+    pub fn new(sender: SendRequest<B>, pool: Arc<Pool<B>>) -> Self {
+        Self { sender, pool }
+    }
+
+    /// The response was read to its end: the connection may serve another request.
+    pub fn put_back(self) {
+        self.pool.put_back(self.sender);
+    }
+}
+
+impl<B> std::fmt::Debug for Pooled<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pooled").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Empty;
+
+    type TestPool = Pool<Empty<Bytes>>;
+
+    async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(
+                    TokioIo::new(stream),
+                    hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::Full::new(Bytes::from_static(b"ok")),
+                        ))
+                    }),
+                ));
+            }
+        });
+        (addr, server)
+    }
+
+    fn authority(addr: std::net::SocketAddr) -> Authority {
+        addr.to_string().parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_connection_comes_back_ready_and_is_reused() {
+        let (addr, _server) = upstream().await;
+        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        assert!(pool.take_idle().is_none());
+        let mut sender = pool.connect().await.unwrap();
+        let request = http::Request::builder()
+            .uri("/")
+            .header(http::header::HOST, pool.host_header())
+            .body(Empty::new())
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        // Read to its end, the response frees the connection.
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap();
+        assert_eq!(body.to_bytes(), "ok");
+        sender.ready().await.unwrap();
+        Pooled::new(sender, Arc::clone(&pool)).put_back();
+        assert_eq!(pool.idle_count(), 1);
+        assert!(
+            pool.take_idle().is_some(),
+            "the idle connection is lent again"
+        );
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_reaped_after_two_rounds() {
+        let (addr, _server) = upstream().await;
+        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        let sender = pool.connect().await.unwrap();
+        pool.put_back(sender);
+        pool.reap_round();
+        assert_eq!(pool.idle_count(), 1, "idle for less than a round");
+        pool.reap_round();
+        assert_eq!(pool.idle_count(), 0, "idle for a whole round");
+    }
+
+    #[tokio::test]
+    async fn connections_the_upstream_closed_are_not_lent() {
+        // An upstream that hangs up on every connection it accepts.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                drop(stream);
+            }
+        });
+        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        let sender = pool.connect().await.unwrap();
+        pool.put_back(sender);
+        // The connection's task sees the close a moment later; from then on it is dropped
+        // instead of lent.
+        for _ in 0..200 {
+            if let Some(sender) = pool.take_idle() {
+                pool.put_back(sender);
+            }
+            if pool.idle_count() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            pool.idle_count(),
+            0,
+            "a closed connection is still held after 2 s"
+        );
+        assert!(pool.take_idle().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_upstream_is_a_connect_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        let error = pool.connect().await.expect_err("nothing listens there");
+        assert!(matches!(error, ConnectError::Connect { .. }), "{error:?}");
+    }
+}

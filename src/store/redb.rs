@@ -1042,29 +1042,9 @@ impl Store for RedbStore {
         token: OwnerToken,
         options: &ClaimOptions,
     ) -> Result<Claim, StoreError> {
-        // A claim that changes nothing (a replay, a conflict) is answered from a read
-        // transaction: a committed state is as good an answer as the writer's, and costs no
-        // sync.
-        let (k, fp, opts) = (*key, *fingerprint, *options);
-        let answered = self
-            .read(move |table| {
-                let guard = table.get(&k.0).map_err(storage_error)?;
-                let Some(value) = guard else {
-                    return Ok(None);
-                };
-                let (header, completion) = Header::parse(value.value()).map_err(corrupt)?;
-                Ok(match decide(Some(&header), &fp, &opts, now_ms()) {
-                    ClaimStep::Answer(claim) => Some(claim),
-                    ClaimStep::Replay => {
-                        Some(Claim::Completed(Arc::new(decode_completion(completion)?)))
-                    }
-                    ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => None,
-                })
-            })
-            .await?;
-        if let Some(claim) = answered {
-            return Ok(claim);
-        }
+        // Every claim goes to the writer, which answers one that changes nothing (a replay, a
+        // conflict) without a commit: a batch with no change is aborted, not synced. Reading
+        // first on another thread would cost a new key two thread hand-offs instead of one.
         self.call(|reply| Op::Claim {
             key: *key,
             fingerprint: *fingerprint,

@@ -2,25 +2,36 @@
 //!
 //! Every change is committed with immediate durability before the call returns, so a claim
 //! is on disk before its request goes upstream and an acknowledged completion survives a
-//! `kill -9`. A disk manages on the order of a thousand syncs a second, so all changes go
-//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] changes),
+//! `kill -9`. A disk manages on the order of a thousand syncs a second, so all calls go
+//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls),
 //! applies it in order in one write transaction — each change still a single atomic step,
-//! later ones seeing earlier ones — and commits once for the whole batch (group commit).
-//! Reads, and claims that need no change (a replay, a conflict), use read transactions on
-//! Tokio's blocking pool. Nothing blocks the async runtime.
+//! later ones seeing earlier ones — and commits once for the whole batch (group commit). A
+//! batch that changed nothing (replays, conflicts, fenced calls) is not synced. Nothing
+//! blocks the async runtime.
 //!
 //! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
 //! process that wrote it.
 //!
 //! # File layout
 //!
-//! - `records`: record key (32 bytes) → version, state tag, fingerprint, expiry, then the
-//!   state's fields (owner token and lease deadline; time stored and the
-//!   [`Completion::encode`] bytes; time it became ambiguous).
-//! - `expiries`: expiry (8 bytes, big-endian) ++ record key → nothing. Expired records are
-//!   found in expiry order and removed in bounded batches, without a scan; redb reuses the
-//!   freed pages, so a steady stream of short-lived records keeps the file at a steady size.
+//! A sync costs in proportion to the pages it writes, so records are laid out to make a
+//! batch touch few pages: each write of a record appends it under the next row number and
+//! removes its previous row, so a batch's writes land together at the end of the table
+//! instead of on one page per record key.
+//!
+//! - `records_by_write`: row number (u64) → record key (32 bytes), then the record: version,
+//!   state tag, fingerprint, expiry, then the state's fields (owner token and lease deadline;
+//!   time stored and the [`Completion::encode`] bytes; time it became ambiguous).
+//! - `expiries_by_write`: expiry (8 bytes, big-endian) ++ row number → nothing. Expired
+//!   records are found in expiry order and removed in bounded batches, without a scan; redb
+//!   reuses the freed pages, so a steady stream of short-lived records keeps the file at a
+//!   steady size.
+//!
+//! The writer keeps the row number of every record key in memory (about 50 bytes a record),
+//! read from the file at open. A file in the first layout (`records` by record key) is
+//! rewritten in this one when it is opened.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +40,10 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redb::{Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{
+    Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata,
+    TableDefinition,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
@@ -53,8 +67,11 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// Page cache redb may use.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
-const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
-const EXPIRIES: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiries");
+const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_write");
+const EXPIRIES: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
+/// The first layout: records by record key. Rewritten in the current one at open.
+const RECORDS_V1: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
+const EXPIRIES_V1: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiries");
 
 /// Records in an embedded database file that survives restarts and crashes.
 ///
@@ -72,7 +89,6 @@ pub struct RedbStore {
 }
 
 struct Shared {
-    db: Arc<Database>,
     /// Write transactions committed, to show that changes are grouped.
     #[cfg(test)]
     commits: Arc<std::sync::atomic::AtomicU64>,
@@ -140,12 +156,6 @@ enum RedbError {
     },
     #[error("{}: the writer thread has stopped", path.display())]
     WriterGone { path: Arc<Path> },
-    #[error("{}: a blocking read task failed", path.display())]
-    Join {
-        path: Arc<Path>,
-        #[source]
-        source: tokio::task::JoinError,
-    },
 }
 
 fn unavailable(error: RedbError) -> StoreError {
@@ -166,9 +176,10 @@ impl RedbStore {
     /// Opens the database file at `path`, creating it (and its parent directories) if
     /// needed.
     ///
-    /// Blocks while redb opens the file, which includes a repair after a crash: call it at
-    /// start-up, or under `spawn_blocking`. Fails if the file is already open, in another
-    /// process or in this one.
+    /// Blocks while redb opens the file, which includes a repair after a crash, and while the
+    /// position of every record is read into memory (one pass over the records table):
+    /// call it at start-up, or under `spawn_blocking`. Fails if the file is already open, in
+    /// another process or in this one.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref();
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -194,11 +205,12 @@ impl RedbStore {
                 }),
                 other => open_error(other.into()),
             })?;
-        // Create both tables now, so reads never find them missing.
+        // Create the tables now, so reads never find them missing, and bring a file in the
+        // first layout over.
         let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-        txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
-        txn.open_table(EXPIRIES).map_err(|e| open_error(e.into()))?;
+        migrate_v1(&txn).map_err(open_error)?;
         txn.commit().map_err(|e| open_error(e.into()))?;
+        let rows = RowIndex::load(&db).map_err(open_error)?;
 
         let db = Arc::new(db);
         let path: Arc<Path> = Arc::from(path);
@@ -208,10 +220,11 @@ impl RedbStore {
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
-            db: Arc::clone(&db),
+            db,
             path: Arc::clone(&path),
             poisoned: None,
             more_expired: true,
+            rows,
         };
         let thread_error = |source| {
             unavailable(RedbError::Thread {
@@ -226,7 +239,6 @@ impl RedbStore {
         let shared = Shared {
             #[cfg(test)]
             commits,
-            db,
             path: Arc::clone(&path),
             ops: Some(ops.clone()),
             writer: Some(writer),
@@ -281,33 +293,6 @@ impl RedbStore {
         let (reply, answer) = oneshot::channel();
         ops.send(op(reply)).await.map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
-    }
-
-    /// Runs `read` on a read transaction of the records table, on the blocking pool.
-    async fn read<T: Send + 'static>(
-        &self,
-        read: impl FnOnce(
-            &redb::ReadOnlyTable<&'static [u8; 32], &'static [u8]>,
-        ) -> Result<T, StoreError>
-        + Send
-        + 'static,
-    ) -> Result<T, StoreError> {
-        let db = Arc::clone(&self.shared.db);
-        let path = Arc::clone(&self.shared.path);
-        let read_path = Arc::clone(&path);
-        tokio::task::spawn_blocking(move || {
-            let storage = |e: redb::Error| {
-                unavailable(RedbError::Storage {
-                    path: Arc::clone(&read_path),
-                    source: Arc::new(e),
-                })
-            };
-            let txn = db.begin_read().map_err(|e| storage(e.into()))?;
-            let table = txn.open_table(RECORDS).map_err(|e| storage(e.into()))?;
-            read(&table)
-        })
-        .await
-        .map_err(|source| unavailable(RedbError::Join { path, source }))?
     }
 }
 
@@ -466,11 +451,96 @@ fn decode_completion(bytes: &[u8]) -> Result<Completion, StoreError> {
     super::decode_completion(BACKEND, Bytes::copy_from_slice(bytes))
 }
 
-fn index_key(expires: u64, key: &[u8; 32]) -> [u8; 40] {
-    let mut out = [0u8; 40];
+/// The key of a row's expiry entry: expiry, then row number, both big-endian, so entries sort
+/// by expiry first.
+fn index_key(expires: u64, row: u64) -> [u8; 16] {
+    let mut out = [0u8; 16];
     out[..8].copy_from_slice(&expires.to_be_bytes());
-    out[8..].copy_from_slice(key);
+    out[8..].copy_from_slice(&row.to_be_bytes());
     out
+}
+
+/// A stored row: the record key, then the record.
+fn encode_row(key: &RecordKey, header: &Header, completion: &[u8]) -> Vec<u8> {
+    let record = header.encode(completion);
+    let mut row = Vec::with_capacity(32 + record.len());
+    row.extend_from_slice(&key.0);
+    row.extend_from_slice(&record);
+    row
+}
+
+/// Splits a stored row into its record key and its record.
+fn split_row(row: &[u8]) -> Result<(RecordKey, &[u8]), DecodeError> {
+    let (key, record) = row
+        .split_first_chunk::<32>()
+        .ok_or(DecodeError("truncated record"))?;
+    Ok((Hash256(*key), record))
+}
+
+/// A record's row number and its header (or why it could not be read).
+type Found = (u64, Result<Header, DecodeError>);
+
+/// Where each record key's row is, kept by the writer and read from the file at open.
+struct RowIndex {
+    rows: HashMap<RecordKey, u64>,
+    /// The next row number to write.
+    next: u64,
+}
+
+impl RowIndex {
+    fn load(db: &Database) -> Result<Self, redb::Error> {
+        let txn = db.begin_read()?;
+        let table = txn.open_table(RECORDS)?;
+        let mut index = Self {
+            rows: HashMap::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
+            next: 0,
+        };
+        for entry in table.iter()? {
+            let (row, value) = entry?;
+            let row = row.value();
+            index.next = index.next.max(row.saturating_add(1));
+            // An undecodable row keeps no index entry; the sweep removes it when it expires.
+            if let Ok((key, _)) = split_row(value.value()) {
+                // Rows are read in order: a later row of the same key wins.
+                index.rows.insert(key, row);
+            }
+        }
+        Ok(index)
+    }
+
+    fn take_next(&mut self) -> u64 {
+        let row = self.next;
+        self.next += 1;
+        row
+    }
+}
+
+/// Creates the tables, and rewrites a file in the first layout (records by record key) in
+/// the current one, keeping every record and its expiry.
+fn migrate_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
+    let mut records = txn.open_table(RECORDS)?;
+    let mut expiries = txn.open_table(EXPIRIES)?;
+    let mut next = match records.last()? {
+        Some((row, _)) => row.value().saturating_add(1),
+        None => 0,
+    };
+    {
+        let old = txn.open_table(RECORDS_V1)?;
+        for entry in old.iter()? {
+            let (key, value) = entry?;
+            let key = Hash256(*key.value());
+            // An undecodable record cannot be given an expiry; it is not carried over.
+            let Ok((header, completion)) = Header::parse(value.value()) else {
+                continue;
+            };
+            records.insert(next, encode_row(&key, &header, completion).as_slice())?;
+            expiries.insert(&index_key(header.expires, next), ())?;
+            next += 1;
+        }
+    }
+    txn.delete_table(RECORDS_V1)?;
+    txn.delete_table(EXPIRIES_V1)?;
+    Ok(())
 }
 
 fn now_ms() -> u64 {
@@ -584,6 +654,10 @@ enum Op {
         key: RecordKey,
         reply: Reply<bool>,
     },
+    Get {
+        key: RecordKey,
+        reply: Reply<Option<Record>>,
+    },
     Ping {
         reply: Reply<()>,
     },
@@ -634,6 +708,7 @@ impl Op {
             | Op::Renew { reply, .. }
             | Op::MarkAmbiguous { reply, .. } => drop(reply.send(Err(error))),
             Op::Delete { reply, .. } => drop(reply.send(Err(error))),
+            Op::Get { reply, .. } => drop(reply.send(Err(error))),
             Op::Ping { reply } => drop(reply.send(Err(error))),
             Op::Sweep { reply } => {
                 if let Some(reply) = reply {
@@ -653,11 +728,14 @@ struct Writer {
     poisoned: Option<Arc<redb::Error>>,
     /// The last sweep stopped at its limit: sweep again as soon as the queue is empty.
     more_expired: bool,
+    /// Where each record's row is.
+    rows: RowIndex,
 }
 
 struct Tables<'t> {
-    records: redb::Table<'t, &'static [u8; 32], &'static [u8]>,
-    expiries: redb::Table<'t, &'static [u8; 40], ()>,
+    records: redb::Table<'t, u64, &'static [u8]>,
+    expiries: redb::Table<'t, &'static [u8; 16], ()>,
+    rows: &'t mut RowIndex,
     /// Whether anything was written, so a batch that changed nothing skips the sync.
     dirty: bool,
 }
@@ -707,6 +785,12 @@ impl Writer {
             Err((cause, poisoned)) => {
                 if poisoned {
                     self.poisoned = Some(Arc::clone(&cause));
+                } else {
+                    // The batch was rolled back: so are the row numbers it moved.
+                    match RowIndex::load(&self.db) {
+                        Ok(rows) => self.rows = rows,
+                        Err(e) => self.poisoned = Some(Arc::new(e)),
+                    }
                 }
                 Some(Failure {
                     path: Arc::clone(&self.path),
@@ -739,6 +823,7 @@ impl Writer {
             let mut tables = Tables {
                 records: txn.open_table(RECORDS).map_err(|e| fail(e.into()))?,
                 expiries: txn.open_table(EXPIRIES).map_err(|e| fail(e.into()))?,
+                rows: &mut self.rows,
                 dirty: false,
             };
             let mut swept_all = true;
@@ -842,6 +927,7 @@ impl Tables<'_> {
                 }),
             ),
             Op::Delete { key, reply } => split(reply, self.delete(&key, now).map(Ok)),
+            Op::Get { key, reply } => split(reply, self.get(&key, now)),
             Op::Ping { reply } => (done(reply, Ok(())), None),
             Op::Sweep { reply } => {
                 let result = self.sweep(now, SWEEP_BATCH);
@@ -856,39 +942,67 @@ impl Tables<'_> {
         }
     }
 
-    fn header(&self, key: &RecordKey) -> Result<Option<Result<Header, DecodeError>>, redb::Error> {
-        Ok(self
-            .records
-            .get(&key.0)?
-            .map(|value| Header::parse(value.value()).map(|(h, _)| h)))
+    /// The row number and header of `key`'s record, if it has one.
+    fn header(&self, key: &RecordKey) -> Result<Option<Found>, redb::Error> {
+        let Some(&row) = self.rows.rows.get(key) else {
+            return Ok(None);
+        };
+        Ok(self.records.get(row)?.map(|value| {
+            let header = split_row(value.value())
+                .and_then(|(_, record)| Header::parse(record))
+                .map(|(h, _)| h);
+            (row, header)
+        }))
     }
 
-    /// Writes `header` (and `completion`) under `key`, moving its expiry index entry.
+    /// Writes `header` (and `completion`) as `key`'s record in a new row at the end of the
+    /// table, removing its previous row (row number and expiry) if it had one.
     fn put(
         &mut self,
         key: &RecordKey,
         header: &Header,
         completion: &[u8],
-        old_expiry: Option<u64>,
+        previous: Option<(u64, u64)>,
     ) -> Result<(), redb::Error> {
-        self.records
-            .insert(&key.0, header.encode(completion).as_slice())?;
-        if old_expiry != Some(header.expires) {
-            if let Some(old) = old_expiry {
-                self.expiries.remove(&index_key(old, &key.0))?;
-            }
-            self.expiries
-                .insert(&index_key(header.expires, &key.0), ())?;
+        if let Some((row, expiry)) = previous {
+            self.records.remove(row)?;
+            self.expiries.remove(&index_key(expiry, row))?;
         }
+        let row = self.rows.take_next();
+        self.records
+            .insert(row, encode_row(key, header, completion).as_slice())?;
+        self.expiries.insert(&index_key(header.expires, row), ())?;
+        self.rows.rows.insert(*key, row);
         self.dirty = true;
         Ok(())
     }
 
-    fn remove(&mut self, key: &RecordKey, expiry: u64) -> Result<(), redb::Error> {
-        self.records.remove(&key.0)?;
-        self.expiries.remove(&index_key(expiry, &key.0))?;
+    fn remove(&mut self, key: &RecordKey, row: u64, expiry: u64) -> Result<(), redb::Error> {
+        self.records.remove(row)?;
+        self.expiries.remove(&index_key(expiry, row))?;
+        self.rows.rows.remove(key);
         self.dirty = true;
         Ok(())
+    }
+
+    /// The live record of `key`, if there is one.
+    fn get(
+        &self,
+        key: &RecordKey,
+        now: u64,
+    ) -> Result<Result<Option<Record>, StoreError>, redb::Error> {
+        let Some(&row) = self.rows.rows.get(key) else {
+            return Ok(Ok(None));
+        };
+        let Some(value) = self.records.get(row)? else {
+            return Ok(Ok(None));
+        };
+        let parsed = split_row(value.value()).and_then(|(_, record)| Header::parse(record));
+        Ok(match parsed {
+            Ok((header, _)) if !header.is_live(now) => Ok(None),
+            Ok((header, completion)) => header.to_record(completion).map(Some),
+            Err(e) => Err(corrupt(e)),
+        })
     }
 
     fn claim(
@@ -900,12 +1014,20 @@ impl Tables<'_> {
         now: u64,
     ) -> Result<Result<Claim, StoreError>, redb::Error> {
         // One read: a replay decodes the completion from it; a write drops it first.
-        let value = self.records.get(&key.0)?;
-        let (found, completion) = match value.as_ref().map(|v| Header::parse(v.value())) {
+        let row = self.rows.rows.get(key).copied();
+        let value = match row {
+            Some(row) => self.records.get(row)?,
+            None => None,
+        };
+        let parsed = value
+            .as_ref()
+            .map(|v| split_row(v.value()).and_then(|(_, record)| Header::parse(record)));
+        let (found, completion) = match parsed {
             None => (None, &[][..]),
             Some(Ok((header, completion))) => (Some(header), completion),
             Some(Err(e)) => return Ok(Err(corrupt(e))),
         };
+        let previous = |expiry: u64| row.map(|row| (row, expiry));
         Ok(Ok(
             match decide(found.as_ref(), fingerprint, options, now) {
                 ClaimStep::Answer(claim) => claim,
@@ -923,7 +1045,7 @@ impl Tables<'_> {
                             lease_deadline: after(now, options.lease),
                         },
                     };
-                    self.put(key, &header, &[], replaces)?;
+                    self.put(key, &header, &[], replaces.and_then(previous))?;
                     Claim::Acquired(token)
                 }
                 ClaimStep::MakeAmbiguous {
@@ -937,7 +1059,7 @@ impl Tables<'_> {
                         expires: after(now, options.ttl),
                         state: StateHeader::Ambiguous { since: now },
                     };
-                    self.put(key, &header, &[], Some(old_expiry))?;
+                    self.put(key, &header, &[], previous(old_expiry))?;
                     answer
                 }
             },
@@ -953,14 +1075,14 @@ impl Tables<'_> {
         now: u64,
         change: impl FnOnce(&mut Header) -> Option<Bytes>,
     ) -> Result<Result<Transition, StoreError>, redb::Error> {
-        let mut header = match self.header(key)? {
-            Some(Ok(h)) if h.owned_by(token, now) => h,
-            Some(Ok(_)) | None => return Ok(Ok(Transition::Fenced)),
-            Some(Err(e)) => return Ok(Err(corrupt(e))),
+        let (row, mut header) = match self.header(key)? {
+            Some((row, Ok(h))) if h.owned_by(token, now) => (row, h),
+            Some((_, Ok(_))) | None => return Ok(Ok(Transition::Fenced)),
+            Some((_, Err(e))) => return Ok(Err(corrupt(e))),
         };
         let old_expiry = header.expires;
         let completion = change(&mut header).unwrap_or_default();
-        self.put(key, &header, &completion, Some(old_expiry))?;
+        self.put(key, &header, &completion, Some((row, old_expiry)))?;
         Ok(Ok(Transition::Applied))
     }
 
@@ -971,12 +1093,12 @@ impl Tables<'_> {
         now: u64,
     ) -> Result<Result<Transition, StoreError>, redb::Error> {
         match self.header(key)? {
-            Some(Ok(h)) if h.owned_by(token, now) => {
-                self.remove(key, h.expires)?;
+            Some((row, Ok(h))) if h.owned_by(token, now) => {
+                self.remove(key, row, h.expires)?;
                 Ok(Ok(Transition::Applied))
             }
-            Some(Ok(_)) | None => Ok(Ok(Transition::Fenced)),
-            Some(Err(e)) => Ok(Err(corrupt(e))),
+            Some((_, Ok(_))) | None => Ok(Ok(Transition::Fenced)),
+            Some((_, Err(e))) => Ok(Err(corrupt(e))),
         }
     }
 
@@ -984,16 +1106,18 @@ impl Tables<'_> {
     /// returns whether a live one was there.
     fn delete(&mut self, key: &RecordKey, now: u64) -> Result<bool, redb::Error> {
         let found = self.header(key)?;
-        let Some(found) = found else {
+        let Some((row, found)) = found else {
             return Ok(false);
         };
         match found {
             Ok(h) => {
-                self.remove(key, h.expires)?;
+                self.remove(key, row, h.expires)?;
                 Ok(h.is_live(now))
             }
             Err(_) => {
-                self.records.remove(&key.0)?;
+                // Its expiry entry, if any, finds no row when it comes due.
+                self.records.remove(row)?;
+                self.rows.rows.remove(key);
                 self.dirty = true;
                 Ok(true)
             }
@@ -1002,26 +1126,33 @@ impl Tables<'_> {
 
     /// Removes up to `limit` records that expired by `now`, oldest first.
     fn sweep(&mut self, now: u64, limit: usize) -> Result<usize, redb::Error> {
-        let mut upper = [0xffu8; 40];
-        upper[..8].copy_from_slice(&now.to_be_bytes());
+        let upper = index_key(now, u64::MAX);
         let mut doomed = Vec::new();
-        for entry in self.expiries.range::<&[u8; 40]>(..=&upper)?.take(limit) {
+        for entry in self.expiries.range::<&[u8; 16]>(..=&upper)?.take(limit) {
             let (index, _) = entry?;
             doomed.push(*index.value());
         }
         for index in &doomed {
             self.expiries.remove(index)?;
-            let mut key = [0u8; 32];
-            key.copy_from_slice(&index[8..]);
             let expiry = read_u64(index, 0).unwrap_or(0);
-            // The index is kept exact; check anyway, so a stale entry never removes a record
-            // that was given a later expiry.
-            let stale = match self.records.get(&key)? {
-                Some(value) => Header::parse(value.value()).is_ok_and(|(h, _)| h.expires != expiry),
-                None => true,
+            let row = read_u64(index, 8).unwrap_or(0);
+            let (key, header) = match self.records.get(row)? {
+                Some(value) => match split_row(value.value()) {
+                    Ok((key, record)) => (Some(key), Header::parse(record).map(|(h, _)| h)),
+                    Err(e) => (None, Err(e)),
+                },
+                None => continue,
             };
-            if !stale {
-                self.records.remove(&key)?;
+            // The index is kept exact; check anyway, so a stale entry never removes a record
+            // that was given a later expiry. An undecodable row is removed when due.
+            if header.is_ok_and(|h| h.expires != expiry) {
+                continue;
+            }
+            self.records.remove(row)?;
+            if let Some(key) = key
+                && self.rows.rows.get(&key) == Some(&row)
+            {
+                self.rows.rows.remove(&key);
             }
         }
         if !doomed.is_empty() {
@@ -1113,18 +1244,7 @@ impl Store for RedbStore {
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        let k = *key;
-        self.read(move |table| {
-            let Some(value) = table.get(&k.0).map_err(storage_error)? else {
-                return Ok(None);
-            };
-            let (header, completion) = Header::parse(value.value()).map_err(corrupt)?;
-            if !header.is_live(now_ms()) {
-                return Ok(None);
-            }
-            header.to_record(completion).map(Some)
-        })
-        .await
+        self.call(|reply| Op::Get { key: *key, reply }).await
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
@@ -1137,14 +1257,6 @@ impl Store for RedbStore {
 
     fn backend(&self) -> &'static str {
         BACKEND
-    }
-}
-
-/// A storage error met in a read; the path is not at hand there, redb's message says enough.
-fn storage_error(e: impl Into<redb::Error>) -> StoreError {
-    StoreError::Unavailable {
-        backend: BACKEND,
-        source: Box::new(e.into()),
     }
 }
 
@@ -1287,11 +1399,119 @@ mod tests {
         assert_eq!(after, before, "fenced calls and pings synced the disk");
     }
 
+    #[tokio::test]
+    async fn a_file_in_the_first_layout_is_rewritten_with_its_records() {
+        let path = temp_path("migrate");
+        let fp = Hash256::of(b"fp");
+        let (done, running, expired) = (
+            Hash256::of(b"done"),
+            Hash256::of(b"running"),
+            Hash256::of(b"gone"),
+        );
+        let completion = Completion::Response(crate::record::StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"{\"charge\":1}"),
+        });
+        let now = now_ms();
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut records = txn.open_table(RECORDS_V1).unwrap();
+                let mut expiries = txn.open_table(EXPIRIES_V1).unwrap();
+                let rows = [
+                    (
+                        done,
+                        now + 60_000,
+                        StateHeader::Completed { stored_at: now },
+                    ),
+                    (
+                        running,
+                        now + 60_000,
+                        StateHeader::InFlight {
+                            token: OwnerToken(7),
+                            lease_deadline: now + 60_000,
+                        },
+                    ),
+                    (expired, now - 1, StateHeader::Ambiguous { since: now - 10 }),
+                ];
+                for (key, expires, state) in rows {
+                    let header = Header {
+                        fingerprint: fp,
+                        expires,
+                        state,
+                    };
+                    let bytes = match state {
+                        StateHeader::Completed { .. } => completion.encode(),
+                        _ => Bytes::new(),
+                    };
+                    records
+                        .insert(&key.0, header.encode(&bytes).as_slice())
+                        .unwrap();
+                    let mut index = [0u8; 40];
+                    index[..8].copy_from_slice(&expires.to_be_bytes());
+                    index[8..].copy_from_slice(&key.0);
+                    expiries.insert(&index, ()).unwrap();
+                }
+            }
+            txn.commit().unwrap();
+        }
+        let store = RedbStore::open(&path).unwrap();
+        let options = ClaimOptions {
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lapse: UnknownOutcome::Ambiguous,
+        };
+        match store
+            .claim(&done, &fp, OwnerToken::generate(), &options)
+            .await
+            .unwrap()
+        {
+            Claim::Completed(c) => assert_eq!(*c, completion),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            store
+                .claim(&running, &fp, OwnerToken::generate(), &options)
+                .await
+                .unwrap(),
+            Claim::InFlight { .. }
+        ));
+        assert_eq!(
+            store
+                .renew(&running, OwnerToken(7), Duration::from_secs(60))
+                .await
+                .unwrap(),
+            Transition::Applied
+        );
+        assert!(store.get(&expired).await.unwrap().is_none());
+        // The expired record goes with the writer's own sweeps, or with this one.
+        store.sweep().await.unwrap();
+        drop(store);
+        let db = Database::open(&path).unwrap();
+        let txn = db.begin_read().unwrap();
+        let names: Vec<String> = txn
+            .list_tables()
+            .unwrap()
+            .map(|t| redb::TableHandle::name(&t).to_owned())
+            .collect();
+        assert!(
+            !names.iter().any(|n| n == "records" || n == "expiries"),
+            "{names:?}"
+        );
+        assert_eq!(txn.open_table(RECORDS).unwrap().len().unwrap(), 2);
+        drop(txn);
+        drop(db);
+        let _ = std::fs::remove_file(&path);
+    }
+
     #[test]
     fn index_keys_sort_by_expiry_first() {
-        let a = index_key(1, &[0xff; 32]);
-        let b = index_key(2, &[0x00; 32]);
+        let a = index_key(1, u64::MAX);
+        let b = index_key(2, 0);
         assert!(a < b);
-        assert!(index_key(u64::MAX, &[0; 32]) > index_key(u64::MAX - 1, &[0xff; 32]));
+        assert!(index_key(u64::MAX, 0) > index_key(u64::MAX - 1, u64::MAX));
+        assert!(index_key(7, 1) < index_key(7, 2));
     }
 }

@@ -56,6 +56,11 @@ const BACKEND: &str = "redb";
 
 /// Most changes committed together in one write transaction.
 const MAX_BATCH: usize = 256;
+/// A batch at least this large means the writer is under load: it then waits [`GATHER`]
+/// before taking the next batch.
+const GATHER_AFTER: usize = 16;
+/// How long a loaded writer waits for more changes before starting a batch.
+const GATHER: Duration = Duration::from_micros(250);
 /// Changes waiting for the writer beyond which callers wait for room.
 const QUEUE: usize = 4096;
 /// Most expired records removed by one sweep transaction.
@@ -743,6 +748,7 @@ struct Tables<'t> {
 impl Writer {
     fn run(mut self, mut queue: mpsc::Receiver<Op>) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut last_batch = 0;
         loop {
             if self.more_expired {
                 match queue.try_recv() {
@@ -755,12 +761,18 @@ impl Writer {
             } else if queue.blocking_recv_many(&mut batch, MAX_BATCH) == 0 {
                 return;
             }
+            // Under load, the callers answered by the last commit come back with their next
+            // change a moment later: waiting for them makes one commit of two.
+            if last_batch >= GATHER_AFTER && batch.len() < MAX_BATCH {
+                std::thread::sleep(GATHER);
+            }
             while batch.len() < MAX_BATCH {
                 match queue.try_recv() {
                     Ok(op) => batch.push(op),
                     Err(_) => break,
                 }
             }
+            last_batch = batch.len();
             self.run_batch(&mut batch);
         }
     }

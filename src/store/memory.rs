@@ -1,6 +1,5 @@
 //! [`MemoryStore`]: records in this process's memory, for a single gateway and for tests.
 
-use std::collections::{BTreeSet, HashMap};
 use std::ops::{Add, Sub};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -14,11 +13,16 @@ use super::{
 };
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
-/// Most expired records removed under one shard lock by the background sweep, so no lock is
-/// held long.
+use self::table::{Id, Swept, Table};
+
+mod table;
+
+/// Most expiry filings the background sweep looks at under one shard lock (each removes an
+/// expired record or is set aside), so no lock is held long.
 const SWEEP_BATCH: usize = 1024;
-/// Expired records every call removes from the shard it touches, so a store without a
-/// background sweeper (made outside a runtime) still reclaims its space.
+/// Expiry filings every call looks at in the shard it touches, so a store without a
+/// background sweeper (made outside a runtime) still reclaims its space: at least as many as
+/// one call can add.
 const INLINE_SWEEP: usize = 4;
 
 /// How a [`MemoryStore`] is sized.
@@ -62,6 +66,10 @@ impl Default for MemoryStoreConfig {
 /// are never returned; a background task, started when the store is made inside a Tokio
 /// runtime and stopped when the store is dropped, removes them in small batches, and every
 /// call also removes a few from the shard it touches. `Clone` shares the records.
+///
+/// Each record is held once, in a slot of its shard's slab (key, fingerprint, state, times:
+/// 128 bytes) plus its encoded completion; the key and expiry indexes name the slot by number
+/// and never repeat the key.
 #[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
@@ -85,16 +93,11 @@ struct Inner {
     anchor: Anchor,
 }
 
-#[derive(Default)]
-struct Shard {
-    entries: HashMap<RecordKey, Entry>,
-    /// Every entry's expiry, so expired entries are found without a scan.
-    expiries: BTreeSet<(Tick, RecordKey)>,
-}
+/// One shard's records, each with its key and expiry (see [`Table`]).
+type Shard = Table<Entry>;
 
 struct Entry {
     fingerprint: FingerprintHash,
-    expires: Tick,
     state: State,
 }
 
@@ -182,9 +185,9 @@ fn spawn_sweeper(inner: Weak<Inner>, interval: Duration) {
                     let Some(store) = inner.upgrade() else {
                         return;
                     };
-                    let removed = store.sweep_batch(i, SWEEP_BATCH);
+                    let swept = store.sweep_batch(i, SWEEP_BATCH);
                     drop(store);
-                    if removed < SWEEP_BATCH {
+                    if swept.done {
                         break;
                     }
                     tokio::task::yield_now().await;
@@ -202,18 +205,18 @@ impl Inner {
         lock(&self.shards[i])
     }
 
-    fn sweep_batch(&self, shard: usize, limit: usize) -> usize {
-        let removed = lock(&self.shards[shard]).remove_expired(self.anchor.tick(), limit);
-        self.len.fetch_sub(removed, Ordering::Relaxed);
-        removed
+    fn sweep_batch(&self, shard: usize, budget: usize) -> Swept {
+        let swept = lock(&self.shards[shard]).remove_expired(self.anchor.tick(), budget, |_| {});
+        self.len.fetch_sub(swept.removed, Ordering::Relaxed);
+        swept
     }
 
     fn sweep_shard(&self, shard: usize) -> usize {
         let mut total = 0;
         loop {
-            let removed = self.sweep_batch(shard, SWEEP_BATCH);
-            total += removed;
-            if removed < SWEEP_BATCH {
+            let swept = self.sweep_batch(shard, SWEEP_BATCH);
+            total += swept.removed;
+            if swept.done {
                 return total;
             }
         }
@@ -232,7 +235,7 @@ impl Inner {
     fn with_shard<T>(&self, key: &RecordKey, f: impl FnOnce(&mut Shard, Tick) -> T) -> T {
         let now = self.anchor.tick();
         let mut shard = self.shard(key);
-        let removed = shard.remove_expired(now, INLINE_SWEEP);
+        let removed = shard.remove_expired(now, INLINE_SWEEP, |_| {}).removed;
         let out = f(&mut shard, now);
         drop(shard);
         if removed > 0 {
@@ -252,72 +255,63 @@ impl Inner {
         options: &ClaimOptions,
     ) -> Option<Result<Claim, Bytes>> {
         self.with_shard(key, |shard, now| {
-            let fresh = |now: Tick| {
-                let entry = Entry {
-                    fingerprint: *fingerprint,
-                    expires: now + options.ttl,
-                    state: State::InFlight {
-                        token: Owner::from(token),
-                        lease_deadline: now + options.lease,
-                    },
-                };
-                (entry, Claim::Acquired(token))
+            let fresh = || Entry {
+                fingerprint: *fingerprint,
+                state: State::InFlight {
+                    token: Owner::from(token),
+                    lease_deadline: now + options.lease,
+                },
             };
-            let Shard { entries, expiries } = shard;
-            match entries.get_mut(key) {
-                Some(entry) if entry.expires > now => {
-                    let same = entry.fingerprint == *fingerprint;
-                    match &entry.state {
-                        State::InFlight { lease_deadline, .. } if *lease_deadline > now => {
-                            Some(Ok(if same {
-                                Claim::InFlight {
-                                    lease_remaining: *lease_deadline - now,
-                                }
-                            } else {
-                                Claim::Mismatch
-                            }))
-                        }
-                        State::InFlight { .. } => match options.on_lapse {
-                            UnknownOutcome::Retry => {
-                                let (new, claim) = fresh(now);
-                                set_expiry(expiries, key, entry.expires, new.expires);
-                                *entry = new;
-                                Some(Ok(claim))
-                            }
-                            UnknownOutcome::Ambiguous => {
-                                let expires = now + options.ttl;
-                                set_expiry(expiries, key, entry.expires, expires);
-                                entry.expires = expires;
-                                entry.state = State::Ambiguous { since: now };
-                                Some(Ok(if same {
-                                    Claim::Ambiguous
-                                } else {
-                                    Claim::Mismatch
-                                }))
-                            }
-                        },
-                        _ if !same => Some(Ok(Claim::Mismatch)),
-                        State::Completed { completion, .. } => Some(Err(completion.clone())),
-                        State::Ambiguous { .. } => Some(Ok(Claim::Ambiguous)),
-                    }
+            let Some((id, row)) = shard.find(key) else {
+                if !self.reserve() {
+                    return None;
                 }
-                Some(expired) => {
-                    // Reuse the expired record's slot: the count does not change.
-                    let (new, claim) = fresh(now);
-                    set_expiry(expiries, key, expired.expires, new.expires);
-                    *expired = new;
-                    Some(Ok(claim))
+                if shard.insert(*key, now + options.ttl, fresh()).is_err() {
+                    // The shard has no slot number left: as full as it can be.
+                    self.len.fetch_sub(1, Ordering::Relaxed);
+                    return None;
                 }
-                None => {
-                    if !self.reserve() {
-                        return None;
-                    }
-                    let (new, claim) = fresh(now);
-                    expiries.insert((new.expires, *key));
-                    entries.insert(*key, new);
-                    Some(Ok(claim))
-                }
+                return Some(Ok(Claim::Acquired(token)));
+            };
+            if row.expires() <= now {
+                // Reuse the expired record's slot: the count does not change.
+                replace(shard, id, now + options.ttl, fresh());
+                return Some(Ok(Claim::Acquired(token)));
             }
+            let same = row.value.fingerprint == *fingerprint;
+            match &row.value.state {
+                State::InFlight { lease_deadline, .. } if *lease_deadline > now => {
+                    return Some(Ok(if same {
+                        Claim::InFlight {
+                            lease_remaining: *lease_deadline - now,
+                        }
+                    } else {
+                        Claim::Mismatch
+                    }));
+                }
+                State::InFlight { .. } => {}
+                _ if !same => return Some(Ok(Claim::Mismatch)),
+                State::Completed { completion, .. } => return Some(Err(completion.clone())),
+                State::Ambiguous { .. } => return Some(Ok(Claim::Ambiguous)),
+            }
+            // The lease lapsed: the outcome is unknown.
+            Some(Ok(match options.on_lapse {
+                UnknownOutcome::Retry => {
+                    replace(shard, id, now + options.ttl, fresh());
+                    Claim::Acquired(token)
+                }
+                UnknownOutcome::Ambiguous => {
+                    shard.set_expiry(id, now + options.ttl);
+                    if let Some(entry) = shard.value_mut(id) {
+                        entry.state = State::Ambiguous { since: now };
+                    }
+                    if same {
+                        Claim::Ambiguous
+                    } else {
+                        Claim::Mismatch
+                    }
+                }
+            }))
         })
     }
 
@@ -326,53 +320,30 @@ impl Inner {
         &self,
         key: &RecordKey,
         token: OwnerToken,
-        f: impl FnOnce(&mut Shard, Tick),
+        f: impl FnOnce(&mut Shard, Id, Tick),
     ) -> Transition {
         self.with_shard(key, |shard, now| {
-            let owned = shard.entries.get(key).is_some_and(|e| {
-                e.expires > now && matches!(e.state, State::InFlight { token: t, .. } if t == Owner::from(token))
+            let owned = shard.find(key).filter(|(_, row)| {
+                row.expires() > now
+                    && matches!(row.value.state, State::InFlight { token: t, .. } if t == Owner::from(token))
             });
-            if owned {
-                f(shard, now);
-                Transition::Applied
-            } else {
-                Transition::Fenced
+            match owned {
+                Some((id, _)) => {
+                    f(shard, id, now);
+                    Transition::Applied
+                }
+                None => Transition::Fenced,
             }
         })
     }
 }
 
-impl Shard {
-    /// Removes up to `limit` records that expired by `now`; returns how many.
-    fn remove_expired(&mut self, now: Tick, limit: usize) -> usize {
-        let mut removed = 0;
-        while removed < limit {
-            match self.expiries.first() {
-                Some(&(expires, key)) if expires <= now => {
-                    self.expiries.pop_first();
-                    self.entries.remove(&key);
-                    removed += 1;
-                }
-                _ => break,
-            }
-        }
-        removed
+/// Puts a new record in `id`'s place, to expire at `expires`.
+fn replace(shard: &mut Shard, id: Id, expires: Tick, entry: Entry) {
+    if let Some(old) = shard.value_mut(id) {
+        *old = entry;
     }
-
-    /// Replaces `key`'s record's expiry (the entry itself is updated by the caller).
-    fn reschedule(&mut self, key: &RecordKey, expires: Tick) {
-        if let Some(entry) = self.entries.get_mut(key) {
-            set_expiry(&mut self.expiries, key, entry.expires, expires);
-            entry.expires = expires;
-        }
-    }
-}
-
-fn set_expiry(expiries: &mut BTreeSet<(Tick, RecordKey)>, key: &RecordKey, old: Tick, new: Tick) {
-    if old != new {
-        expiries.remove(&(old, *key));
-        expiries.insert((new, *key));
-    }
+    shard.set_expiry(id, expires);
 }
 
 /// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
@@ -483,9 +454,9 @@ impl Store for MemoryStore {
     ) -> Result<Transition, StoreError> {
         // Encoded before the shard is locked: one copy of exactly the bytes kept.
         let completion = completion.encode();
-        Ok(self.inner.fenced(key, token, |shard, now| {
-            shard.reschedule(key, now + ttl);
-            if let Some(entry) = shard.entries.get_mut(key) {
+        Ok(self.inner.fenced(key, token, |shard, id, now| {
+            shard.set_expiry(id, now + ttl);
+            if let Some(entry) = shard.value_mut(id) {
                 entry.state = State::Completed {
                     completion,
                     stored_at: now,
@@ -495,10 +466,8 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
-        let transition = self.inner.fenced(key, token, |shard, _| {
-            if let Some(entry) = shard.entries.remove(key) {
-                shard.expiries.remove(&(entry.expires, *key));
-            }
+        let transition = self.inner.fenced(key, token, |shard, id, _| {
+            shard.remove(id);
         });
         if transition == Transition::Applied {
             self.inner.len.fetch_sub(1, Ordering::Relaxed);
@@ -512,19 +481,18 @@ impl Store for MemoryStore {
         token: OwnerToken,
         lease: Duration,
     ) -> Result<Transition, StoreError> {
-        Ok(self.inner.fenced(key, token, |shard, now| {
+        Ok(self.inner.fenced(key, token, |shard, id, now| {
             let deadline = now + lease;
-            let expires = match shard.entries.get_mut(key) {
-                Some(entry) => {
-                    entry.state = State::InFlight {
-                        token: Owner::from(token),
-                        lease_deadline: deadline,
-                    };
-                    entry.expires.max(deadline)
-                }
-                None => return,
+            let Some(expires) = shard.get(id).map(|row| row.expires()) else {
+                return;
             };
-            shard.reschedule(key, expires);
+            if let Some(entry) = shard.value_mut(id) {
+                entry.state = State::InFlight {
+                    token: Owner::from(token),
+                    lease_deadline: deadline,
+                };
+            }
+            shard.set_expiry(id, expires.max(deadline));
         }))
     }
 
@@ -534,9 +502,9 @@ impl Store for MemoryStore {
         token: OwnerToken,
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
-        Ok(self.inner.fenced(key, token, |shard, now| {
-            shard.reschedule(key, now + ttl);
-            if let Some(entry) = shard.entries.get_mut(key) {
+        Ok(self.inner.fenced(key, token, |shard, id, now| {
+            shard.set_expiry(id, now + ttl);
+            if let Some(entry) = shard.value_mut(id) {
                 entry.state = State::Ambiguous { since: now };
             }
         }))
@@ -544,7 +512,8 @@ impl Store for MemoryStore {
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let record = self.inner.with_shard(key, |shard, now| {
-            let entry = shard.entries.get(key).filter(|e| e.expires > now)?;
+            let (_, row) = shard.find(key).filter(|(_, row)| row.expires() > now)?;
+            let entry = &row.value;
             let fingerprint = entry.fingerprint;
             Some(match &entry.state {
                 State::InFlight { lease_deadline, .. } => Ok(Record::InFlight {
@@ -578,15 +547,16 @@ impl Store for MemoryStore {
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let (removed, live) =
-            self.inner
-                .with_shard(key, |shard, now| match shard.entries.remove(key) {
-                    Some(entry) => {
-                        shard.expiries.remove(&(entry.expires, *key));
-                        (true, entry.expires > now)
-                    }
-                    None => (false, false),
-                });
+        let (removed, live) = self
+            .inner
+            .with_shard(key, |shard, now| match shard.find(key) {
+                Some((id, row)) => {
+                    let live = row.expires() > now;
+                    shard.remove(id);
+                    (true, live)
+                }
+                None => (false, false),
+            });
         if removed {
             self.inner.len.fetch_sub(1, Ordering::Relaxed);
         }
@@ -756,7 +726,8 @@ mod tests {
             );
             for shard in store.inner.shards.iter() {
                 let shard = lock(shard);
-                assert!(shard.entries.is_empty() && shard.expiries.is_empty());
+                shard.check();
+                assert_eq!((shard.len(), shard.filings()), (0, 0));
             }
         }
     }
@@ -820,11 +791,92 @@ mod tests {
                 .unwrap(),
             Transition::Applied
         );
-        let shard = store.inner.shard(&k);
-        assert_eq!(shard.expiries.len(), 1, "stale expiry entries left behind");
-        let (expires, indexed) = *shard.expiries.first().unwrap();
-        assert_eq!(indexed, k);
-        assert_eq!(expires, shard.entries[&k].expires);
+        {
+            let shard = store.inner.shard(&k);
+            shard.check();
+            // Moving the expiry later files nothing new.
+            assert_eq!(shard.filings(), 1, "stale expiry entries left behind");
+        }
+        // Filed under the claim's 5 s, the record lives to the completion's 7 s.
+        let later = store.inner.anchor.tick() + Duration::from_secs(6);
+        assert_eq!(
+            store
+                .inner
+                .shard(&k)
+                .remove_expired(later, 100, |_| {})
+                .removed,
+            0
+        );
+        assert!(matches!(
+            store.get(&k).await.unwrap(),
+            Some(Record::Completed { .. })
+        ));
+        let after = store.inner.anchor.tick() + Duration::from_secs(8);
+        let mut shard = store.inner.shard(&k);
+        assert_eq!(shard.remove_expired(after, 100, |_| {}).removed, 1);
+        assert_eq!((shard.len(), shard.filings()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_lease_reschedules_the_record() {
+        let store = MemoryStore::with_config(config(100, Duration::from_secs(3600)));
+        let lapsing = ClaimOptions {
+            lease: Duration::from_millis(50),
+            ttl: Duration::from_secs(1),
+            on_lapse: UnknownOutcome::Ambiguous,
+        };
+        let (ambiguous, retried) = (key(1), key(2));
+        for k in [&ambiguous, &retried] {
+            assert!(matches!(
+                claim(&store, k, &lapsing).await.unwrap(),
+                Claim::Acquired(_)
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let longer = ClaimOptions {
+            ttl: Duration::from_secs(3),
+            ..lapsing
+        };
+        assert_eq!(
+            claim(&store, &ambiguous, &longer).await.unwrap(),
+            Claim::Ambiguous
+        );
+        let retry = ClaimOptions {
+            on_lapse: UnknownOutcome::Retry,
+            ..longer
+        };
+        assert!(matches!(
+            claim(&store, &retried, &retry).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        // Past the first claims' ttl, before the second ones': both records stay.
+        let now = store.inner.anchor.tick();
+        let sweep_all = |at: Tick| {
+            let mut removed = 0;
+            for shard in store.inner.shards.iter() {
+                let mut shard = lock(shard);
+                let swept = shard.remove_expired(at, usize::MAX, |_| {});
+                assert!(swept.done);
+                shard.check();
+                removed += swept.removed;
+            }
+            removed
+        };
+        assert_eq!(sweep_all(now + Duration::from_millis(1500)), 0);
+        assert!(matches!(
+            store.get(&ambiguous).await.unwrap(),
+            Some(Record::Ambiguous { .. })
+        ));
+        assert!(matches!(
+            store.get(&retried).await.unwrap(),
+            Some(Record::InFlight { .. })
+        ));
+        // Past the second claims' ttl: both go.
+        assert_eq!(sweep_all(now + Duration::from_secs(4)), 2);
+        for shard in store.inner.shards.iter() {
+            let shard = lock(shard);
+            assert_eq!((shard.len(), shard.filings()), (0, 0));
+        }
     }
 
     #[tokio::test]

@@ -545,7 +545,7 @@ elseif state == 'f' then
   end
 end
 if not state then
-  redis.call('DEL', key)
+  if rec[1] then redis.call('DEL', key) end
   redis.call('HSET', key, 's', 'f', 'fp', ARGV[1], 'tok', ARGV[2], 'ld', string.format('%.0f', now + tonumber(ARGV[3])))
   redis.call('PEXPIRE', key, ARGV[4])
   return {0}

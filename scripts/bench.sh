@@ -11,6 +11,7 @@
 #   LOAD_CPU=1       core for wrk
 #   CARGO_FLAGS=     extra flags for the release build (e.g. --no-default-features --features proxy,redis)
 #   WRITE=1          write the results into BENCHMARKS.md (0: print only)
+#   SETTLE_MAX=20    most seconds to wait, before each run, for the servers to go quiet
 #
 # It installs Debian's nginx and wrk when missing (and redis-server through .ci/install-deps),
 # starts everything it measures on free loopback ports from a temporary directory, and stops
@@ -30,6 +31,7 @@ SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 CARGO_FLAGS=${CARGO_FLAGS:-}
 WRITE=${WRITE:-1}
+SETTLE_MAX=${SETTLE_MAX:-20}
 # Records of the new-keys cases expire quickly, so memory stays bounded however fast they come.
 RECORD_TTL=${RECORD_TTL:-5s}
 
@@ -296,14 +298,35 @@ to_ms() {
     }'
 }
 
+# Every server process whose leftover work could spill into the next case.
+SERVER_PIDS="$UPSTREAM_PID $NGINX_WORKER ${REDIS_PID:-} ${GATEWAY_PID[*]}"
+
 RESULTS="$TMP/results.tsv"
 : >"$RESULTS"
+
+# Waits (at most SETTLE_MAX seconds) until the servers are quiet: expired records swept,
+# redis keys expired, so no case pays for the work an earlier one left behind.
+settle() {
+    local pid total before after
+    for _ in $(seq 1 $((SETTLE_MAX * 2))); do
+        before=0
+        for pid in $SERVER_PIDS; do before=$((before + $(cpu_ticks "$pid"))); done
+        sleep 0.5
+        after=0
+        for pid in $SERVER_PIDS; do after=$((after + $(cpu_ticks "$pid"))); done
+        total=$((after - before))
+        # Under 4 % of a core over the half second.
+        if [ $((total * 100 * 2)) -le $((TCK * 4)) ]; then return 0; fi
+    done
+    log "servers still busy after ${SETTLE_MAX}s; measuring anyway"
+}
 
 # run CASE DURATION RUN_ID [record]
 run_case() {
     local spec=$1 secs=$2 run=$3 record=${4:-}
     local name label url script pid
     IFS='|' read -r name label url script pid <<<"$spec"
+    settle
     local before after out
     before=$(cpu_ticks "$pid")
     out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \

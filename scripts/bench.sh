@@ -231,27 +231,7 @@ wrk.method = "POST"
 wrk.body = '$REQUEST_BODY'
 wrk.headers["Content-Type"] = "application/json"
 EOF
-cat >"$TMP/new_keys.lua" <<EOF
--- A unique key per request: run prefix (from the command line), thread id and counter.
-local threads = 0
-function setup(thread)
-    threads = threads + 1
-    thread:set("id", threads)
-end
-local prefix, counter = "", 0
-function init(args)
-    prefix = (args[1] or "run") .. "-" .. tostring(id) .. "-"
-end
-local body = '$REQUEST_BODY'
-function request()
-    counter = counter + 1
-    return wrk.format("POST", nil, {
-        ["Host"] = wrk.headers["Host"],
-        ["Content-Type"] = "application/json",
-        ["Idempotency-Key"] = prefix .. counter,
-    }, body)
-end
-EOF
+cp "$ROOT/scripts/new_keys.lua" "$TMP/new_keys.lua"
 cat >"$TMP/replays.lua" <<EOF
 -- 16 keys, reused: after each key's first request, every request is a replay.
 local requests, n = {}, 0

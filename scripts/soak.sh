@@ -62,30 +62,11 @@ IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --listen 127.0.0.1:0 
 PIDS+=($!); GATEWAY_PID=$!
 GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' | awk '{print $4}')
 
-cat >"$TMP/new_keys.lua" <<'EOF'
-local threads = 0
-function setup(thread)
-    threads = threads + 1
-    thread:set("id", threads)
-end
-local prefix, counter = "", 0
-function init(args)
-    prefix = "soak-" .. tostring(id) .. "-"
-end
-function request()
-    counter = counter + 1
-    return wrk.format("POST", nil, {
-        ["Host"] = wrk.headers["Host"],
-        ["Content-Type"] = "application/json",
-        ["Idempotency-Key"] = prefix .. counter,
-    }, '{"amount":2000,"currency":"eur"}')
-end
-EOF
 
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 log "idemgate (memory store, ttl $RECORD_TTL) on $GATEWAY; ${DURATION}s of unique keys"
-taskset -c "$LOAD_CPU" wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" -s "$TMP/new_keys.lua" \
-    "http://$GATEWAY/v1/payments" >"$TMP/wrk.out" 2>&1 &
+taskset -c "$LOAD_CPU" wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" -s "$ROOT/scripts/new_keys.lua" \
+    "http://$GATEWAY/v1/payments" -- soak >"$TMP/wrk.out" 2>&1 &
 WRK=$!
 PIDS+=("$WRK")
 samples=()

@@ -482,6 +482,11 @@ fn split_row(row: &[u8]) -> Result<(RecordKey, &[u8]), DecodeError> {
     Ok((Hash256(*key), record))
 }
 
+/// The header of a stored row's record and, for a completed one, its completion bytes.
+fn parse_row(row: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
+    split_row(row).and_then(|(_, record)| Header::parse(record))
+}
+
 /// A record's row number and its header (or why it could not be read).
 type Found = (u64, Result<Header, DecodeError>);
 
@@ -959,12 +964,10 @@ impl Tables<'_> {
         let Some(&row) = self.rows.rows.get(key) else {
             return Ok(None);
         };
-        Ok(self.records.get(row)?.map(|value| {
-            let header = split_row(value.value())
-                .and_then(|(_, record)| Header::parse(record))
-                .map(|(h, _)| h);
-            (row, header)
-        }))
+        Ok(self
+            .records
+            .get(row)?
+            .map(|value| (row, parse_row(value.value()).map(|(h, _)| h))))
     }
 
     /// Writes `header` (and `completion`) as `key`'s record in a new row at the end of the
@@ -977,8 +980,7 @@ impl Tables<'_> {
         previous: Option<(u64, u64)>,
     ) -> Result<(), redb::Error> {
         if let Some((row, expiry)) = previous {
-            self.records.remove(row)?;
-            self.expiries.remove(&index_key(expiry, row))?;
+            self.remove_row(row, expiry)?;
         }
         let row = self.rows.take_next();
         self.records
@@ -990,10 +992,16 @@ impl Tables<'_> {
     }
 
     fn remove(&mut self, key: &RecordKey, row: u64, expiry: u64) -> Result<(), redb::Error> {
-        self.records.remove(row)?;
-        self.expiries.remove(&index_key(expiry, row))?;
+        self.remove_row(row, expiry)?;
         self.rows.rows.remove(key);
         self.dirty = true;
+        Ok(())
+    }
+
+    /// Removes a row and its expiry entry (the row index is the caller's to update).
+    fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
+        self.records.remove(row)?;
+        self.expiries.remove(&index_key(expiry, row))?;
         Ok(())
     }
 
@@ -1009,8 +1017,7 @@ impl Tables<'_> {
         let Some(value) = self.records.get(row)? else {
             return Ok(Ok(None));
         };
-        let parsed = split_row(value.value()).and_then(|(_, record)| Header::parse(record));
-        Ok(match parsed {
+        Ok(match parse_row(value.value()) {
             Ok((header, _)) if !header.is_live(now) => Ok(None),
             Ok((header, completion)) => header.to_record(completion).map(Some),
             Err(e) => Err(corrupt(e)),
@@ -1031,10 +1038,7 @@ impl Tables<'_> {
             Some(row) => self.records.get(row)?,
             None => None,
         };
-        let parsed = value
-            .as_ref()
-            .map(|v| split_row(v.value()).and_then(|(_, record)| Header::parse(record)));
-        let (found, completion) = match parsed {
+        let (found, completion) = match value.as_ref().map(|v| parse_row(v.value())) {
             None => (None, &[][..]),
             Some(Ok((header, completion))) => (Some(header), completion),
             Some(Err(e)) => return Ok(Err(corrupt(e))),

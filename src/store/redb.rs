@@ -27,9 +27,9 @@
 //!   reuses the freed pages, so a steady stream of short-lived records keeps the file at a
 //!   steady size.
 //!
-//! The writer keeps the row number of every record key in memory (a 40-byte hash-map entry a record, up to twice that with the map's spare room),
-//! read from the file at open. A file in the first layout (`records` by record key) is
-//! rewritten in this one when it is opened.
+//! The writer keeps the row number of every record key in memory (a 40-byte hash-map entry
+//! a record, up to twice that with the map's spare room), read from the file at open. A file
+//! in the first layout (`records` by record key) is rewritten in this one when it is opened.
 
 use std::collections::HashMap;
 use std::fmt;

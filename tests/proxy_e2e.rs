@@ -456,6 +456,19 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn idle_upstream_connections_are_closed_within_seconds() {
+    let s = setup().await;
+    assert_eq!(send("POST", &s.gw.url("/idle"), &[], "x").await.status, 201);
+    assert_eq!(s.upstream.connections(), 1);
+    // Idle for longer than the pool keeps a connection (2 to 4 s): the next request needs a
+    // new one, so the gateway never writes to a connection the upstream is timing out.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    assert_eq!(send("POST", &s.gw.url("/idle"), &[], "x").await.status, 201);
+    assert_eq!(s.upstream.connections(), 2);
+    assert_eq!(s.upstream.hits("/idle"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn slow_upstream_is_504() {
     let s = setup().await;
     let r = send(

@@ -19,7 +19,7 @@
 //! | `upstream-unreachable` | 502 | the upstream could not be reached; nothing was sent |
 //! | `upstream-timeout` | 504 | the upstream did not answer within `upstream_timeout` |
 //! | `store-unavailable` | 503 + `Retry-After` | the record store failed or did not answer in time; nothing was forwarded |
-//! | `internal-error` | 500 | idemgate's own task ended without an answer (a bug) |
+//! | `internal-error` | 500 | idemgate reached a state it should never reach (a bug) |
 //!
 //! The proxy's admin listener answers its own errors with these, `store-unavailable` above
 //! included (a record lookup or deletion whose store call failed):
@@ -309,7 +309,7 @@ impl Problem {
     pub fn internal() -> Self {
         Self::new(
             ProblemKind::Internal,
-            "the gateway's task for this request ended without an answer",
+            "the gateway reached a state it should never reach for this request",
         )
     }
 

@@ -321,9 +321,10 @@ impl Keyed {
             // No await between the claim and handing back the work: once acquired, the claim
             // is always run, completed or released, whatever the caller does.
             Ok(Claim::Acquired(token)) => {
-                return Step::Run(Box::pin(
-                    async move { self.execute(inner, req, token).await },
-                ));
+                return Step::Run(Box::pin(async move {
+                    let work = self.execute(inner, req, token);
+                    self.under_lease(token, work).await
+                }));
             }
             Ok(Claim::Completed(completion)) => self.completed(completion),
             Ok(Claim::InFlight { .. }) => self.problem(
@@ -360,29 +361,19 @@ impl Keyed {
         Step::Answer(Ok(answer))
     }
 
-    /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
-    /// and answers.
-    async fn execute<S, ReqB, ResB>(
-        &self,
-        inner: S,
-        req: Request<RequestBody<ReqB>>,
-        token: OwnerToken,
-    ) -> Answer<ResB, S::Error>
-    where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
-        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
-        ResB::Error: Into<BoxError> + Send,
-    {
+    /// Runs `work` while renewing the claim `token`'s lease beside it, counted as in flight.
+    async fn under_lease<T>(&self, token: OwnerToken, work: impl Future<Output = T>) -> T {
         let _in_flight = self.shared.stats.enter();
-        // The lease is renewed while the work runs, polled beside it.
         tokio::select! {
             biased;
-            answer = self.execute_claimed(inner, req, token) => answer,
+            out = work => out,
             never = self.keep_lease(token) => match never {},
         }
     }
 
-    async fn execute_claimed<S, ReqB, ResB>(
+    /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
+    /// and answers.
+    async fn execute<S, ReqB, ResB>(
         &self,
         inner: S,
         req: Request<RequestBody<ReqB>>,
@@ -462,12 +453,8 @@ impl Keyed {
         digest.update(&head);
         let read = head.len() as u64;
         tokio::spawn(async move {
-            let _in_flight = relay.shared.stats.enter();
-            tokio::select! {
-                biased;
-                () = relay.relay_rest(token, status, (digest, read), rest, tx) => {}
-                never = relay.keep_lease(token) => match never {},
-            }
+            let work = relay.relay_rest(token, status, (digest, read), rest, tx);
+            relay.under_lease(token, work).await;
         });
         let response = Response::from_parts(parts, ResponseBody::relayed(head, rx));
         self.tag(response, Decision::Executed)

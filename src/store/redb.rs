@@ -393,9 +393,9 @@ impl Header {
         ))
     }
 
-    /// Encodes the record, with `completion` after the header of a completed one.
-    fn encode(&self, completion: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + 24 + completion.len());
+    /// Appends the encoded record to `out`, with `completion` after the header of a completed
+    /// one.
+    fn encode_into(&self, out: &mut Vec<u8>, completion: &[u8]) {
         let tag = match self.state {
             StateHeader::InFlight { .. } => TAG_IN_FLIGHT,
             StateHeader::Completed { .. } => TAG_COMPLETED,
@@ -419,7 +419,6 @@ impl Header {
             }
             StateHeader::Ambiguous { since } => out.extend_from_slice(&since.to_be_bytes()),
         }
-        out
     }
 
     fn is_live(&self, now: u64) -> bool {
@@ -467,10 +466,10 @@ fn index_key(expires: u64, row: u64) -> [u8; 16] {
 
 /// A stored row: the record key, then the record.
 fn encode_row(key: &RecordKey, header: &Header, completion: &[u8]) -> Vec<u8> {
-    let record = header.encode(completion);
-    let mut row = Vec::with_capacity(32 + record.len());
+    // Key, header, then the largest state fields (an owner token and a lease deadline).
+    let mut row = Vec::with_capacity(32 + HEADER_LEN + 24 + completion.len());
     row.extend_from_slice(&key.0);
-    row.extend_from_slice(&record);
+    header.encode_into(&mut row, completion);
     row
 }
 
@@ -1279,6 +1278,15 @@ impl Store for RedbStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Header {
+        /// The encoded record alone, without a row's record key.
+        fn encode(&self, completion: &[u8]) -> Vec<u8> {
+            let mut out = Vec::new();
+            self.encode_into(&mut out, completion);
+            out
+        }
+    }
 
     fn headers() -> Vec<Header> {
         let fingerprint = Hash256::of(b"fp");

@@ -489,6 +489,9 @@ fn parse_row(row: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
 /// A record's row number and its header (or why it could not be read).
 type Found = (u64, Result<Header, DecodeError>);
 
+/// A stored row, read in place from its page.
+type StoredRow<'a> = redb::AccessGuard<'a, &'static [u8]>;
+
 /// Where each record key's row is, kept by the writer and read from the file at open.
 struct RowIndex {
     rows: HashMap<RecordKey, u64>,
@@ -958,15 +961,19 @@ impl Tables<'_> {
         }
     }
 
-    /// The row number and header of `key`'s record, if it has one.
-    fn header(&self, key: &RecordKey) -> Result<Option<Found>, redb::Error> {
+    /// The row number and stored row of `key`'s record, if it has one.
+    fn stored(&self, key: &RecordKey) -> Result<Option<(u64, StoredRow<'_>)>, redb::Error> {
         let Some(&row) = self.rows.rows.get(key) else {
             return Ok(None);
         };
+        Ok(self.records.get(row)?.map(|value| (row, value)))
+    }
+
+    /// The row number and header of `key`'s record, if it has one.
+    fn header(&self, key: &RecordKey) -> Result<Option<Found>, redb::Error> {
         Ok(self
-            .records
-            .get(row)?
-            .map(|value| (row, parse_row(value.value()).map(|(h, _)| h))))
+            .stored(key)?
+            .map(|(row, value)| (row, parse_row(value.value()).map(|(h, _)| h))))
     }
 
     /// Writes `header` (and `completion`) as `key`'s record in a new row at the end of the
@@ -1010,10 +1017,7 @@ impl Tables<'_> {
         key: &RecordKey,
         now: u64,
     ) -> Result<Result<Option<Record>, StoreError>, redb::Error> {
-        let Some(&row) = self.rows.rows.get(key) else {
-            return Ok(Ok(None));
-        };
-        let Some(value) = self.records.get(row)? else {
+        let Some((_, value)) = self.stored(key)? else {
             return Ok(Ok(None));
         };
         Ok(match parse_row(value.value()) {
@@ -1032,12 +1036,9 @@ impl Tables<'_> {
         now: u64,
     ) -> Result<Result<Claim, StoreError>, redb::Error> {
         // One read: a replay decodes the completion from it; a write drops it first.
-        let row = self.rows.rows.get(key).copied();
-        let value = match row {
-            Some(row) => self.records.get(row)?,
-            None => None,
-        };
-        let (found, completion) = match value.as_ref().map(|v| parse_row(v.value())) {
+        let value = self.stored(key)?;
+        let row = value.as_ref().map(|(row, _)| *row);
+        let (found, completion) = match value.as_ref().map(|(_, v)| parse_row(v.value())) {
             None => (None, &[][..]),
             Some(Ok((header, completion))) => (Some(header), completion),
             Some(Err(e)) => return Ok(Err(corrupt(e))),

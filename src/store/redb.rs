@@ -3,7 +3,8 @@
 //! Every change is committed with immediate durability before the call returns, so a claim
 //! is on disk before its request goes upstream and an acknowledged completion survives a
 //! `kill -9`. A disk manages on the order of a thousand syncs a second, so all calls go
-//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls),
+//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls; after a
+//! large batch it first waits [`GATHER`] for the callers it just answered to come back),
 //! applies it in order in one write transaction — each change still a single atomic step,
 //! later ones seeing earlier ones — and commits once for the whole batch (group commit). A
 //! batch that changed nothing (replays, conflicts, fenced calls) is not synced. Nothing

@@ -301,10 +301,12 @@ impl Inner {
                     Claim::Acquired(token)
                 }
                 UnknownOutcome::Ambiguous => {
-                    shard.set_expiry(id, now + options.ttl);
-                    if let Some(entry) = shard.value_mut(id) {
-                        entry.state = State::Ambiguous { since: now };
-                    }
+                    set_state(
+                        shard,
+                        id,
+                        now + options.ttl,
+                        State::Ambiguous { since: now },
+                    );
                     if same {
                         Claim::Ambiguous
                     } else {
@@ -342,6 +344,14 @@ impl Inner {
 fn replace(shard: &mut Shard, id: Id, expires: Tick, entry: Entry) {
     if let Some(old) = shard.value_mut(id) {
         *old = entry;
+    }
+    shard.set_expiry(id, expires);
+}
+
+/// Puts `id`'s record in `state`, to expire at `expires`.
+fn set_state(shard: &mut Shard, id: Id, expires: Tick, state: State) {
+    if let Some(entry) = shard.value_mut(id) {
+        entry.state = state;
     }
     shard.set_expiry(id, expires);
 }
@@ -455,13 +465,11 @@ impl Store for MemoryStore {
         // Encoded before the shard is locked: one copy of exactly the bytes kept.
         let completion = completion.encode();
         Ok(self.inner.fenced(key, token, |shard, id, now| {
-            shard.set_expiry(id, now + ttl);
-            if let Some(entry) = shard.value_mut(id) {
-                entry.state = State::Completed {
-                    completion,
-                    stored_at: now,
-                };
-            }
+            let state = State::Completed {
+                completion,
+                stored_at: now,
+            };
+            set_state(shard, id, now + ttl, state);
         }))
     }
 
@@ -486,13 +494,11 @@ impl Store for MemoryStore {
             let Some(expires) = shard.get(id).map(|row| row.expires()) else {
                 return;
             };
-            if let Some(entry) = shard.value_mut(id) {
-                entry.state = State::InFlight {
-                    token: Owner::from(token),
-                    lease_deadline: deadline,
-                };
-            }
-            shard.set_expiry(id, expires.max(deadline));
+            let state = State::InFlight {
+                token: Owner::from(token),
+                lease_deadline: deadline,
+            };
+            set_state(shard, id, expires.max(deadline), state);
         }))
     }
 
@@ -503,10 +509,7 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<Transition, StoreError> {
         Ok(self.inner.fenced(key, token, |shard, id, now| {
-            shard.set_expiry(id, now + ttl);
-            if let Some(entry) = shard.value_mut(id) {
-                entry.state = State::Ambiguous { since: now };
-            }
+            set_state(shard, id, now + ttl, State::Ambiguous { since: now });
         }))
     }
 

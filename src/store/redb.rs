@@ -3,7 +3,8 @@
 //! Every change is committed with immediate durability before the call returns, so a claim
 //! is on disk before its request goes upstream and an acknowledged completion survives a
 //! `kill -9`. A disk manages on the order of a thousand syncs a second, so all calls go
-//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls),
+//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls; after a
+//! large batch it first waits [`GATHER`] for the callers it just answered to come back),
 //! applies it in order in one write transaction — each change still a single atomic step,
 //! later ones seeing earlier ones — and commits once for the whole batch (group commit). A
 //! batch that changed nothing (replays, conflicts, fenced calls) is not synced. Nothing
@@ -393,9 +394,9 @@ impl Header {
         ))
     }
 
-    /// Encodes the record, with `completion` after the header of a completed one.
-    fn encode(&self, completion: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + 24 + completion.len());
+    /// Appends the encoded record to `out`, with `completion` after the header of a completed
+    /// one.
+    fn encode_into(&self, out: &mut Vec<u8>, completion: &[u8]) {
         let tag = match self.state {
             StateHeader::InFlight { .. } => TAG_IN_FLIGHT,
             StateHeader::Completed { .. } => TAG_COMPLETED,
@@ -419,7 +420,6 @@ impl Header {
             }
             StateHeader::Ambiguous { since } => out.extend_from_slice(&since.to_be_bytes()),
         }
-        out
     }
 
     fn is_live(&self, now: u64) -> bool {
@@ -467,10 +467,10 @@ fn index_key(expires: u64, row: u64) -> [u8; 16] {
 
 /// A stored row: the record key, then the record.
 fn encode_row(key: &RecordKey, header: &Header, completion: &[u8]) -> Vec<u8> {
-    let record = header.encode(completion);
-    let mut row = Vec::with_capacity(32 + record.len());
+    // Key, header, then the largest state fields (an owner token and a lease deadline).
+    let mut row = Vec::with_capacity(32 + HEADER_LEN + 24 + completion.len());
     row.extend_from_slice(&key.0);
-    row.extend_from_slice(&record);
+    header.encode_into(&mut row, completion);
     row
 }
 
@@ -489,6 +489,9 @@ fn parse_row(row: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
 
 /// A record's row number and its header (or why it could not be read).
 type Found = (u64, Result<Header, DecodeError>);
+
+/// A stored row, read in place from its page.
+type StoredRow<'a> = redb::AccessGuard<'a, &'static [u8]>;
 
 /// Where each record key's row is, kept by the writer and read from the file at open.
 struct RowIndex {
@@ -959,15 +962,19 @@ impl Tables<'_> {
         }
     }
 
-    /// The row number and header of `key`'s record, if it has one.
-    fn header(&self, key: &RecordKey) -> Result<Option<Found>, redb::Error> {
+    /// The row number and stored row of `key`'s record, if it has one.
+    fn stored(&self, key: &RecordKey) -> Result<Option<(u64, StoredRow<'_>)>, redb::Error> {
         let Some(&row) = self.rows.rows.get(key) else {
             return Ok(None);
         };
+        Ok(self.records.get(row)?.map(|value| (row, value)))
+    }
+
+    /// The row number and header of `key`'s record, if it has one.
+    fn header(&self, key: &RecordKey) -> Result<Option<Found>, redb::Error> {
         Ok(self
-            .records
-            .get(row)?
-            .map(|value| (row, parse_row(value.value()).map(|(h, _)| h))))
+            .stored(key)?
+            .map(|(row, value)| (row, parse_row(value.value()).map(|(h, _)| h))))
     }
 
     /// Writes `header` (and `completion`) as `key`'s record in a new row at the end of the
@@ -1011,10 +1018,7 @@ impl Tables<'_> {
         key: &RecordKey,
         now: u64,
     ) -> Result<Result<Option<Record>, StoreError>, redb::Error> {
-        let Some(&row) = self.rows.rows.get(key) else {
-            return Ok(Ok(None));
-        };
-        let Some(value) = self.records.get(row)? else {
+        let Some((_, value)) = self.stored(key)? else {
             return Ok(Ok(None));
         };
         Ok(match parse_row(value.value()) {
@@ -1033,12 +1037,9 @@ impl Tables<'_> {
         now: u64,
     ) -> Result<Result<Claim, StoreError>, redb::Error> {
         // One read: a replay decodes the completion from it; a write drops it first.
-        let row = self.rows.rows.get(key).copied();
-        let value = match row {
-            Some(row) => self.records.get(row)?,
-            None => None,
-        };
-        let (found, completion) = match value.as_ref().map(|v| parse_row(v.value())) {
+        let value = self.stored(key)?;
+        let row = value.as_ref().map(|(row, _)| *row);
+        let (found, completion) = match value.as_ref().map(|(_, v)| parse_row(v.value())) {
             None => (None, &[][..]),
             Some(Ok((header, completion))) => (Some(header), completion),
             Some(Err(e)) => return Ok(Err(corrupt(e))),
@@ -1279,6 +1280,15 @@ impl Store for RedbStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Header {
+        /// The encoded record alone, without a row's record key.
+        fn encode(&self, completion: &[u8]) -> Vec<u8> {
+            let mut out = Vec::new();
+            self.encode_into(&mut out, completion);
+            out
+        }
+    }
 
     fn headers() -> Vec<Header> {
         let fingerprint = Hash256::of(b"fp");

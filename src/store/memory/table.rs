@@ -34,8 +34,6 @@ pub(super) struct Table<V> {
     slots: Vec<Slot<V>>,
     /// The first vacant slot, or [`NONE`].
     vacant: u32,
-    /// Rows held.
-    len: usize,
     /// When rows come due: the earliest first.
     due: BinaryHeap<Filing>,
 }
@@ -106,7 +104,6 @@ impl<V> Default for Table<V> {
             hasher: std::hash::RandomState::new(),
             slots: Vec::new(),
             vacant: NONE,
-            len: 0,
             due: BinaryHeap::new(),
         }
     }
@@ -184,7 +181,6 @@ impl<V> Table<V> {
             ..
         } = self;
         index.insert_unique(hasher.hash_one(key), slot, |&s| slot_hash(hasher, slots, s));
-        self.len += 1;
         self.file(slot, expires);
         Ok(Id(slot))
     }
@@ -204,7 +200,6 @@ impl<V> Table<V> {
             return None;
         };
         self.vacant = slot;
-        self.len -= 1;
         // The row's filings stay in the heap until they come due or the heap is rebuilt.
         Some(row)
     }
@@ -294,7 +289,7 @@ impl<V> Table<V> {
 impl<V> Table<V> {
     /// Rows held.
     pub(super) fn len(&self) -> usize {
-        self.len
+        self.index.len()
     }
 
     /// Filings in the heap, leftovers included.
@@ -309,8 +304,7 @@ impl<V> Table<V> {
         let occupied: Vec<u32> = (0..self.slots.len() as u32)
             .filter(|&s| matches!(self.slots[s as usize], Slot::Occupied(_)))
             .collect();
-        assert_eq!(occupied.len(), self.len, "row count");
-        assert_eq!(self.index.len(), self.len, "index size");
+        assert_eq!(occupied.len(), self.index.len(), "row count");
         for &slot in &occupied {
             let Slot::Occupied(row) = &self.slots[slot as usize] else {
                 unreachable!()
@@ -339,7 +333,11 @@ impl<V> Table<V> {
             assert!(free <= self.slots.len(), "free list loops");
             next = after;
         }
-        assert_eq!(free + self.len, self.slots.len(), "free list misses slots");
+        assert_eq!(
+            free + occupied.len(),
+            self.slots.len(),
+            "free list misses slots"
+        );
         assert!(self.due.len() <= 2 * self.slots.len().max(MIN_FILINGS));
     }
 }

@@ -27,7 +27,7 @@ use super::forward::{ClientAddr, Forwarder};
 use super::metrics::{InstrumentedStore, Metrics};
 use crate::IdempotencyLayer;
 use crate::body::RequestBody;
-use crate::policy::OnStoreError;
+use crate::policy::{OnStoreError, RoutePolicy};
 use crate::response::Outcome;
 use crate::store::{Store, StoreError};
 
@@ -151,11 +151,12 @@ pub async fn open_store(
 /// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    let metrics = Metrics::with_routes(
-        std::iter::once(&settings.default_route)
-            .chain(settings.routes.iter().map(|r| &r.policy))
-            .map(|policy| policy.route_name()),
-    );
+    // Every route's policy, the default first: counted by name, and looked up by the admin
+    // record endpoints.
+    let policies: Vec<RoutePolicy> = std::iter::once(settings.default_route.clone())
+        .chain(settings.routes.iter().map(|r| r.policy.clone()))
+        .collect();
+    let metrics = Metrics::with_routes(policies.iter().map(RoutePolicy::route_name));
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
@@ -210,9 +211,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         metrics: Arc::clone(&metrics),
         stats: Arc::clone(&stats),
         token: settings.admin_token.clone(),
-        routes: std::iter::once(settings.default_route.clone())
-            .chain(settings.routes.iter().map(|r| r.policy.clone()))
-            .collect(),
+        routes: policies,
         draining: Arc::clone(&draining),
     });
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -584,7 +584,7 @@ where
     }
 }
 
-/// What a request's log line needs from its start.
+/// What a request's log line and counters need from its start.
 struct RequestLog {
     method: http::Method,
     uri: http::Uri,
@@ -594,16 +594,25 @@ struct RequestLog {
 }
 
 impl RequestLog {
+    /// Counts the request by route and decision, and writes its log line.
     fn write<B>(&self, response: &Response<B>) {
+        let method = &self.method;
         let path = LoggedPath(self.uri.path());
-        log_request(
-            &self.metrics,
-            response,
-            &self.method,
-            path,
-            self.peer,
-            self.started.elapsed(),
-        );
+        let client = self.peer.ip();
+        let status = response.status().as_u16();
+        let latency_ms = self.started.elapsed().as_micros() as f64 / 1000.0;
+        let Some(outcome) = response.extensions().get::<Outcome>() else {
+            tracing::info!(%method, %path, status, latency_ms, %client, "request");
+            return;
+        };
+        let decision = outcome.decision.as_str();
+        self.metrics.count_request(&outcome.route, outcome.decision);
+        let record = LoggedRecord(outcome.record);
+        if outcome.decision == crate::response::Decision::PassedThrough {
+            tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, %client, "request");
+        } else {
+            tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, %client, "request");
+        }
     }
 }
 
@@ -631,30 +640,6 @@ impl std::fmt::Display for LoggedRecord {
             Some(record) => f.write_str(&record.short()),
             None => f.write_str("-"),
         }
-    }
-}
-
-fn log_request<B>(
-    metrics: &Metrics,
-    response: &Response<B>,
-    method: &http::Method,
-    path: LoggedPath<'_>,
-    peer: SocketAddr,
-    latency: Duration,
-) {
-    let status = response.status().as_u16();
-    let latency_ms = latency.as_micros() as f64 / 1000.0;
-    let Some(outcome) = response.extensions().get::<Outcome>() else {
-        tracing::info!(%method, %path, status, latency_ms, client = %peer.ip(), "request");
-        return;
-    };
-    let decision = outcome.decision.as_str();
-    metrics.count_request(&outcome.route, outcome.decision);
-    let record = LoggedRecord(outcome.record);
-    if outcome.decision == crate::response::Decision::PassedThrough {
-        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, client = %peer.ip(), "request");
-    } else {
-        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, client = %peer.ip(), "request");
     }
 }
 

@@ -124,6 +124,8 @@ wait_line() {
 PIN=(taskset -c "$SERVER_CPU")
 
 JSON='{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}'
+# The body of every benchmark request; scripts/new_keys.lua (shared with soak.sh) sends the
+# same one, written out there.
 REQUEST_BODY='{"amount":2000,"currency":"eur","customer":"cus_9s6XKzkNRiz8i3"}'
 
 # --- upstream --------------------------------------------------------------------------------

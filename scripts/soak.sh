@@ -62,7 +62,6 @@ IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --listen 127.0.0.1:0 
 PIDS+=($!); GATEWAY_PID=$!
 GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' | awk '{print $4}')
 
-
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 log "idemgate (memory store, ttl $RECORD_TTL) on $GATEWAY; ${DURATION}s of unique keys"
 taskset -c "$LOAD_CPU" wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" -s "$ROOT/scripts/new_keys.lua" \

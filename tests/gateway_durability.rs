@@ -15,14 +15,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use support::{Gateway, Resp, TempDir, TestUpstream, admin_get, eventually, send};
+use support::{Gateway, Resp, TempDir, TestUpstream, admin_get, eventually, key, send};
 
 const STORE_UNAVAILABLE: &str = "urn:idemgate:problem:store-unavailable";
 const IN_FLIGHT: &str = "urn:idemgate:problem:request-in-flight";
-
-fn key(k: &str) -> (&'static str, &str) {
-    ("idempotency-key", k)
-}
 
 /// `Retry-After` as whole seconds; panics if it is missing or not a number.
 fn retry_after(r: &Resp) -> u64 {

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    Gateway, TempDir, TestUpstream, admin_get, eventually, free_addr, raw, send, send_h2c,
+    Gateway, TempDir, TestUpstream, admin_get, eventually, free_addr, key, raw, send, send_h2c,
 };
 
 const TOKEN: &str = "test-admin-token-0123456789";
@@ -78,10 +78,6 @@ async fn setup_with(extra: &str) -> Setup {
         gw,
         _dir: dir,
     }
-}
-
-fn key(k: &str) -> (&'static str, &str) {
-    ("idempotency-key", k)
 }
 
 // ---- the decision table -------------------------------------------------------------------

@@ -408,6 +408,14 @@ impl Upstream {
             .ok_or_else(|| {
                 format!("{s:?} names no host; expected e.g. \"http://127.0.0.1:3000\"")
             })?;
+        // A `user:password@` part is dropped: `Host` and the connection take the host and
+        // port only.
+        let authority = match authority.as_str().rsplit_once('@') {
+            Some((_, host_port)) => host_port
+                .parse()
+                .map_err(|e| format!("{s:?} has no valid host and port ({e})"))?,
+            None => authority,
+        };
         if uri.query().is_some() {
             return Err(format!(
                 "{s:?} has a query; the upstream URL takes a base path only"
@@ -1063,6 +1071,8 @@ mod tests {
         let u = Upstream::parse("http://127.0.0.1:3000/api/").unwrap();
         assert_eq!(u.base_path, "/api");
         assert_eq!(u.authority.as_str(), "127.0.0.1:3000");
+        let with_user = Upstream::parse("http://user:secret@127.0.0.1:3000").unwrap();
+        assert_eq!(with_user.authority.as_str(), "127.0.0.1:3000");
         assert_eq!(
             Upstream::parse("http://localhost:3000").unwrap().base_path,
             ""

@@ -1,5 +1,5 @@
 //! The innermost service: sends each request to the configured upstream over a pooled
-//! keep-alive client and streams the response back.
+//! keep-alive connection (see [`super::pool`]) and streams the response back.
 //!
 //! The upstream comes only from the config. The request's path and query are appended to the
 //! upstream's base URL; the client's `Host`, an absolute-form target or `X-Forwarded-Host`
@@ -273,8 +273,8 @@ pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery
     }
 }
 
-/// Makes a client's headers fit to send upstream: hop-by-hop fields and headers only
-/// idemgate sets are removed, `Host` is left for the client to set from the upstream URL,
+/// Makes a client's headers fit to send upstream: hop-by-hop fields, headers only idemgate
+/// sets and the client's `Host` are removed (the forwarder sends the upstream's authority),
 /// and the `X-Forwarded-*` fields are added.
 pub fn prepare_request_headers(
     headers: &mut http::HeaderMap,

@@ -6,8 +6,8 @@
 //! [`Pooled`]). A response dropped before its end takes its connection with it: HTTP/1.1
 //! cannot reuse a connection with a response half-read.
 //!
-//! The pool holds at most [`MAX_IDLE`] idle connections; a connection idle for two reaper
-//! rounds ([`REAP_EVERY`], so between one and two rounds) is closed.
+//! The pool holds at most [`MAX_IDLE`] idle connections; an idle connection is closed at the
+//! second reaper round (every [`REAP_EVERY`]) after it came back, so after 2 to 4 s idle.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -27,7 +27,7 @@ use super::forward::{ClientAddr, Forwarder};
 use super::metrics::{InstrumentedStore, Metrics};
 use crate::IdempotencyLayer;
 use crate::body::RequestBody;
-use crate::policy::OnStoreError;
+use crate::policy::{OnStoreError, RoutePolicy};
 use crate::response::Outcome;
 use crate::store::{Store, StoreError};
 
@@ -151,11 +151,12 @@ pub async fn open_store(
 /// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    let metrics = Metrics::with_routes(
-        std::iter::once(&settings.default_route)
-            .chain(settings.routes.iter().map(|r| &r.policy))
-            .map(|policy| policy.route_name()),
-    );
+    // Every route's policy, the default first: counted by name, and looked up by the admin
+    // record endpoints.
+    let policies: Vec<RoutePolicy> = std::iter::once(settings.default_route.clone())
+        .chain(settings.routes.iter().map(|r| r.policy.clone()))
+        .collect();
+    let metrics = Metrics::with_routes(policies.iter().map(RoutePolicy::route_name));
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
@@ -210,9 +211,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         metrics: Arc::clone(&metrics),
         stats: Arc::clone(&stats),
         token: settings.admin_token.clone(),
-        routes: std::iter::once(settings.default_route.clone())
-            .chain(settings.routes.iter().map(|r| r.policy.clone()))
-            .collect(),
+        routes: policies,
         draining: Arc::clone(&draining),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -585,7 +584,7 @@ where
     }
 }
 
-/// What a request's log line needs from its start.
+/// What a request's log line and counters need from its start.
 struct RequestLog {
     method: http::Method,
     uri: http::Uri,
@@ -595,16 +594,25 @@ struct RequestLog {
 }
 
 impl RequestLog {
+    /// Counts the request by route and decision, and writes its log line.
     fn write<B>(&self, response: &Response<B>) {
+        let method = &self.method;
         let path = LoggedPath(self.uri.path());
-        log_request(
-            &self.metrics,
-            response,
-            &self.method,
-            path,
-            self.peer,
-            self.started.elapsed(),
-        );
+        let client = self.peer.ip();
+        let status = response.status().as_u16();
+        let latency_ms = self.started.elapsed().as_micros() as f64 / 1000.0;
+        let Some(outcome) = response.extensions().get::<Outcome>() else {
+            tracing::info!(%method, %path, status, latency_ms, %client, "request");
+            return;
+        };
+        let decision = outcome.decision.as_str();
+        self.metrics.count_request(&outcome.route, outcome.decision);
+        let record = LoggedRecord(outcome.record);
+        if outcome.decision == crate::response::Decision::PassedThrough {
+            tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, %client, "request");
+        } else {
+            tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, %client, "request");
+        }
     }
 }
 
@@ -632,30 +640,6 @@ impl std::fmt::Display for LoggedRecord {
             Some(record) => f.write_str(&record.short()),
             None => f.write_str("-"),
         }
-    }
-}
-
-fn log_request<B>(
-    metrics: &Metrics,
-    response: &Response<B>,
-    method: &http::Method,
-    path: LoggedPath<'_>,
-    peer: SocketAddr,
-    latency: Duration,
-) {
-    let status = response.status().as_u16();
-    let latency_ms = latency.as_micros() as f64 / 1000.0;
-    let Some(outcome) = response.extensions().get::<Outcome>() else {
-        tracing::info!(%method, %path, status, latency_ms, client = %peer.ip(), "request");
-        return;
-    };
-    let decision = outcome.decision.as_str();
-    metrics.count_request(&outcome.route, outcome.decision);
-    let record = LoggedRecord(outcome.record);
-    if outcome.decision == crate::response::Decision::PassedThrough {
-        tracing::debug!(route = %outcome.route, outcome = %decision, status, latency_ms, %method, %path, client = %peer.ip(), "request");
-    } else {
-        tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, client = %peer.ip(), "request");
     }
 }
 

@@ -454,6 +454,11 @@ impl Resp {
     }
 }
 
+/// The `Idempotency-Key` header with value `k`, for `send`'s header list.
+pub fn key(k: &str) -> (&'static str, &str) {
+    ("idempotency-key", k)
+}
+
 /// Sends one HTTP/1.1 request and reads the whole response.
 pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();

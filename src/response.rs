@@ -276,6 +276,15 @@ impl Problem {
         )
     }
 
+    /// `502 outcome-unknown` for a request that was sent and got no response at all (the
+    /// connection closed before a response head came).
+    pub fn no_response() -> Self {
+        Self::new(
+            ProblemKind::OutcomeUnknown,
+            "the request was sent and the upstream's connection closed before any response, so the outcome is unknown",
+        )
+    }
+
     /// `502 upstream-unreachable`: nothing was sent.
     pub fn upstream_unreachable() -> Self {
         Self::new(

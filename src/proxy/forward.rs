@@ -240,7 +240,7 @@ fn upstream_failure<B>(
             Problem::upstream_timeout(shared.timeout),
             UpstreamFailure::Unknown,
         ),
-        UpstreamErrorKind::Reset => (Problem::response_interrupted(), UpstreamFailure::Unknown),
+        UpstreamErrorKind::Reset => (Problem::no_response(), UpstreamFailure::Unknown),
     };
     let mut response = problem.into_response().map(ProxyBody::full);
     response.extensions_mut().insert(failure);

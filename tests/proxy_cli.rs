@@ -58,6 +58,11 @@ fn bad_configs_exit_non_zero_naming_the_field() {
             "upstream",
             "https",
         ),
+        (
+            "upstream = \"http://deploy:hunter2@127.0.0.1:3000\"".to_owned(),
+            "upstream",
+            "credentials",
+        ),
         (format!("{up}store = \"sqlite:x\""), "store", "redb:PATH"),
         (
             format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"quick\""),
@@ -102,6 +107,7 @@ fn bad_configs_exit_non_zero_naming_the_field() {
                 err.contains(field) && err.contains(hint),
                 "for {text:?} expected {field:?} and {hint:?} in: {err}"
             );
+            assert!(!err.contains("hunter2"), "a password was echoed: {err}");
         }
     }
     let out = run(

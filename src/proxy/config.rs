@@ -382,7 +382,7 @@ pub struct Upstream {
 
 impl Upstream {
     /// Reads an `http://host[:port][/base]` URL. `https` upstreams are refused: the gateway
-    /// speaks plain HTTP to the service beside it.
+    /// speaks plain HTTP to the service beside it. So are URLs with credentials in them.
     pub fn parse(s: &str) -> Result<Self, String> {
         let uri: Uri = s.trim().parse().map_err(|e| {
             format!("{s:?} is not a URL ({e}); expected e.g. \"http://127.0.0.1:3000\"")
@@ -408,14 +408,18 @@ impl Upstream {
             .ok_or_else(|| {
                 format!("{s:?} names no host; expected e.g. \"http://127.0.0.1:3000\"")
             })?;
-        // A `user:password@` part is dropped: `Host` and the connection take the host and
-        // port only.
-        let authority = match authority.as_str().rsplit_once('@') {
-            Some((_, host_port)) => host_port
-                .parse()
-                .map_err(|e| format!("{s:?} has no valid host and port ({e})"))?,
-            None => authority,
-        };
+        // The gateway never sends credentials of its own upstream: each client's own
+        // `Authorization` goes through. A `user:password@` part would be ignored, and printed
+        // wherever the URL is shown; it is refused instead, without echoing it.
+        if authority.as_str().contains('@') {
+            return Err(format!(
+                "the upstream URL for {}:{} carries credentials (user:password@), which \
+                 idemgate does not send upstream; remove them (clients' own Authorization \
+                 headers are forwarded)",
+                authority.host(),
+                authority.port_u16().unwrap_or(80)
+            ));
+        }
         if uri.query().is_some() {
             return Err(format!(
                 "{s:?} has a query; the upstream URL takes a base path only"
@@ -1071,8 +1075,9 @@ mod tests {
         let u = Upstream::parse("http://127.0.0.1:3000/api/").unwrap();
         assert_eq!(u.base_path, "/api");
         assert_eq!(u.authority.as_str(), "127.0.0.1:3000");
-        let with_user = Upstream::parse("http://user:secret@127.0.0.1:3000").unwrap();
-        assert_eq!(with_user.authority.as_str(), "127.0.0.1:3000");
+        let err = Upstream::parse("http://user:secret@127.0.0.1:3000").unwrap_err();
+        assert!(err.contains("credentials"), "{err}");
+        assert!(!err.contains("secret"), "the password is not echoed: {err}");
         assert_eq!(
             Upstream::parse("http://localhost:3000").unwrap().base_path,
             ""

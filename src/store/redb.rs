@@ -43,7 +43,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use redb::{
     Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata,
-    TableDefinition,
+    TableDefinition, TableHandle,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -529,14 +529,20 @@ impl RowIndex {
 }
 
 /// Creates the tables, and rewrites a file in the first layout (records by record key) in
-/// the current one, keeping every record and its expiry.
+/// the current one, keeping every record and its expiry. A file without the old tables is
+/// left as it is.
 fn migrate_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
     let mut records = txn.open_table(RECORDS)?;
     let mut expiries = txn.open_table(EXPIRIES)?;
+    let v1 = RECORDS_V1.name();
+    if !txn.list_tables()?.any(|table| table.name() == v1) {
+        return Ok(());
+    }
     let mut next = match records.last()? {
         Some((row, _)) => row.value().saturating_add(1),
         None => 0,
     };
+    let (mut moved, mut unreadable) = (0u64, 0u64);
     {
         let old = txn.open_table(RECORDS_V1)?;
         for entry in old.iter()? {
@@ -544,15 +550,26 @@ fn migrate_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
             let key = Hash256(*key.value());
             // An undecodable record cannot be given an expiry; it is not carried over.
             let Ok((header, completion)) = Header::parse(value.value()) else {
+                unreadable += 1;
                 continue;
             };
             records.insert(next, encode_row(&key, &header, completion).as_slice())?;
             expiries.insert(&index_key(header.expires, next), ())?;
             next += 1;
+            moved += 1;
         }
     }
     txn.delete_table(RECORDS_V1)?;
     txn.delete_table(EXPIRIES_V1)?;
+    if unreadable > 0 {
+        tracing::warn!(
+            moved,
+            unreadable,
+            "redb file migrated; unreadable records were not carried over"
+        );
+    } else {
+        tracing::info!(moved, "redb file migrated to the current layout");
+    }
     Ok(())
 }
 

@@ -35,26 +35,11 @@ SETTLE_MAX=${SETTLE_MAX:-20}
 # Records of the new-keys cases expire quickly, so memory stays bounded however fast they come.
 RECORD_TTL=${RECORD_TTL:-5s}
 
-log() { printf 'bench: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
+NAME=bench
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
 
-as_root() {
-    if [ "$(id -u)" -eq 0 ]; then "$@"
-    elif command -v sudo >/dev/null 2>&1; then sudo "$@"
-    else die "need root or sudo to run: $*"; fi
-}
-
-# --- tools ---------------------------------------------------------------------------------
-missing=()
-command -v wrk >/dev/null 2>&1 || missing+=(wrk)
-command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx)
-command -v taskset >/dev/null 2>&1 || missing+=(util-linux)
-if [ ${#missing[@]} -gt 0 ]; then
-    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and apt-get is not available"
-    log "installing ${missing[*]}"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+need_tools wrk:wrk nginx:nginx taskset:util-linux
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 case " $STORES " in *" redis "*) bash .ci/install-deps >/dev/null ;; esac
 
@@ -67,22 +52,6 @@ log "building release binaries"
 # shellcheck disable=SC2086 # CARGO_FLAGS is a list of flags
 cargo build --release --locked --examples --bins $CARGO_FLAGS >&2
 BIN="$ROOT/target/release"
-
-# --- processes we start, stopped on exit ---------------------------------------------------
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/idemgate-bench.XXXXXX")
-PIDS=()
-cleanup() {
-    local pid
-    for pid in "${PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 free_port() {
     local p
@@ -106,27 +75,11 @@ wait_port() {
     die "$what did not start listening on port $port"
 }
 
-# Waits until FILE has a line matching PATTERN; prints the line.
-wait_line() {
-    local file=$1 pattern=$2 what=$3 line
-    for _ in $(seq 1 100); do
-        line=$(grep -m1 -E "$pattern" "$file" 2>/dev/null || true)
-        if [ -n "$line" ]; then echo "$line"; return 0; fi
-        sleep 0.1
-    done
-    log "$what did not start; its output:"
-    cat "$file" >&2 || true
-    exit 1
-}
-
 # Started as `"${PIN[@]}" cmd &` (not through a function, which would fork a shell), so `$!`
 # is the server's own pid: taskset execs it.
 PIN=(taskset -c "$SERVER_CPU")
 
 JSON='{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}'
-# The body of every benchmark request; scripts/new_keys.lua (shared with soak.sh) sends the
-# same one, written out there.
-REQUEST_BODY='{"amount":2000,"currency":"eur","customer":"cus_9s6XKzkNRiz8i3"}'
 
 # --- upstream --------------------------------------------------------------------------------
 "${PIN[@]}" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
@@ -227,30 +180,7 @@ for store in $STORES; do
 done
 
 # --- wrk scripts -----------------------------------------------------------------------------
-cat >"$TMP/post.lua" <<EOF
--- A POST without an idempotency key: passed through.
-wrk.method = "POST"
-wrk.body = '$REQUEST_BODY'
-wrk.headers["Content-Type"] = "application/json"
-EOF
-cp "$ROOT/scripts/new_keys.lua" "$TMP/new_keys.lua"
-cat >"$TMP/replays.lua" <<EOF
--- 16 keys, reused: after each key's first request, every request is a replay.
-local requests, n = {}, 0
-function init(args)
-    for i = 1, 16 do
-        requests[i] = wrk.format("POST", nil, {
-            ["Host"] = wrk.headers["Host"],
-            ["Content-Type"] = "application/json",
-            ["Idempotency-Key"] = "replay-" .. i,
-        }, '$REQUEST_BODY')
-    end
-end
-function request()
-    n = n % 16 + 1
-    return requests[n]
-end
-EOF
+for script in post new_keys replays; do cp "$ROOT/scripts/$script.lua" "$TMP/$script.lua"; done
 
 # --- cases -----------------------------------------------------------------------------------
 # name|label|url|script|pid whose CPU is measured

@@ -1,5 +1,5 @@
 -- wrk: a POST with a unique Idempotency-Key per request: prefix (the first argument after
--- `--`), the thread's number and a counter. Used by bench.sh and soak.sh.
+-- `--`), the thread's number and a counter. Used by bench.sh, soak.sh and instructions.sh.
 local threads = 0
 function setup(thread)
     threads = threads + 1

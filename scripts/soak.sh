@@ -9,8 +9,9 @@
 #   RECORD_TTL=5s    ttl of the records       CONNECTIONS=64
 #   SERVER_CPU=0     core for upstream and idemgate          LOAD_CPU=1   core for wrk
 #
-# It builds the release binaries, starts the benchmark upstream and one idemgate on free
-# loopback ports from a temporary directory, and stops only the processes it started.
+# It installs Debian's wrk when missing, builds the release binaries, starts the benchmark
+# upstream and one idemgate on free loopback ports from a temporary directory, and stops only
+# the processes it started.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -22,45 +23,24 @@ CONNECTIONS=${CONNECTIONS:-64}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 
-log() { printf 'soak: %s\n' "$*" >&2; }
-die() { log "$*"; exit 1; }
-command -v wrk >/dev/null 2>&1 || die "needs wrk (scripts/bench.sh installs it)"
+NAME=soak
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+
+need_tools wrk:wrk taskset:util-linux
 
 log "building release binaries"
 cargo build --release --locked --examples --bins >&2
 BIN="$ROOT/target/release"
 
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/idemgate-soak.XXXXXX")
-PIDS=()
-cleanup() {
-    local pid
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# Waits until FILE has a line matching PATTERN; prints the line.
-wait_line() {
-    local file=$1 pattern=$2 line
-    for _ in $(seq 1 100); do
-        line=$(grep -m1 -E "$pattern" "$file" 2>/dev/null || true)
-        if [ -n "$line" ]; then echo "$line"; return 0; fi
-        sleep 0.1
-    done
-    cat "$file" >&2 || true
-    die "a server did not start"
-}
-
 taskset -c "$SERVER_CPU" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
 PIDS+=($!)
-UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$')
+UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
 IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --listen 127.0.0.1:0 \
     --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" --store memory \
     --ttl "$RECORD_TTL" >"$TMP/idemgate.out" 2>&1 &
 PIDS+=($!); GATEWAY_PID=$!
-GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' | awk '{print $4}')
+GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' "idemgate" | awk '{print $4}')
 
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 log "idemgate (memory store, ttl $RECORD_TTL) on $GATEWAY; ${DURATION}s of unique keys"

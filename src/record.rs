@@ -74,24 +74,32 @@ pub type FingerprintHash = Hash256;
 pub struct OwnerToken(pub u128);
 
 impl OwnerToken {
-    /// A fresh token, unique across processes with overwhelming probability.
+    /// A fresh token, unique across processes with overwhelming probability: 64 random bits
+    /// drawn once per process, beside a per-process counter. Tokens fence one owner from
+    /// another and are never shown to clients, so they need to be unique, not unguessable.
     pub fn generate() -> Self {
         use std::hash::{BuildHasher, RandomState};
         use std::sync::OnceLock;
         use std::sync::atomic::{AtomicU64, Ordering};
-        // RandomState is seeded from the OS once per process; hashing a counter with two such
-        // states gives 128 unpredictable bits per token without a random-number dependency.
-        static STATES: OnceLock<(RandomState, RandomState)> = OnceLock::new();
+        // RandomState is seeded from the OS: hashing anything with a fresh one gives 64
+        // random bits without a random-number dependency.
+        static PROCESS: OnceLock<u64> = OnceLock::new();
         static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let (a, b) = STATES.get_or_init(|| (RandomState::new(), RandomState::new()));
+        let process = *PROCESS.get_or_init(|| RandomState::new().hash_one(std::process::id()));
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        Self(((a.hash_one(n) as u128) << 64) | b.hash_one(n) as u128)
+        Self(((process as u128) << 64) | n as u128)
     }
 }
 
 impl fmt::Debug for OwnerToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "OwnerToken({:08x}…)", (self.0 >> 96) as u32)
+        // The process's bits, shortened, and the token's number within that process.
+        write!(
+            f,
+            "OwnerToken({:08x}…#{})",
+            (self.0 >> 96) as u32,
+            self.0 as u64
+        )
     }
 }
 
@@ -359,5 +367,6 @@ mod tests {
         let a = OwnerToken::generate();
         let b = OwnerToken::generate();
         assert_ne!(a, b);
+        assert_ne!(format!("{a:?}"), format!("{b:?}"));
     }
 }

@@ -74,7 +74,7 @@ where
         let clone = self.inner.clone();
         let mut inner = mem::replace(&mut self.inner, clone);
         // Only idemgate says whether a response is a replay.
-        req.headers_mut().remove(IDEMPOTENT_REPLAYED);
+        crate::headers::remove(req.headers_mut(), &IDEMPOTENT_REPLAYED);
 
         let route = self.shared.route_for(req.uri().path()).clone();
         let policy = &route.policy;
@@ -644,7 +644,7 @@ where
 
 /// Removes the headers only idemgate may set from an inner service's response.
 pub(crate) fn without_owned_headers<B>(mut response: Response<B>) -> Response<B> {
-    response.headers_mut().remove(IDEMPOTENT_REPLAYED);
+    crate::headers::remove(response.headers_mut(), &IDEMPOTENT_REPLAYED);
     response
 }
 

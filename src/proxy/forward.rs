@@ -282,7 +282,7 @@ pub fn prepare_request_headers(
     original_host: Option<HeaderValue>,
 ) {
     strip_hop_by_hop(headers);
-    headers.remove(IDEMPOTENT_REPLAYED);
+    crate::headers::remove(headers, &IDEMPOTENT_REPLAYED);
     headers.remove(HOST);
     if let Some(ip) = client_ip {
         append_forwarded_for(headers, ip);
@@ -292,9 +292,7 @@ pub fn prepare_request_headers(
         Some(host) => {
             headers.insert(X_FORWARDED_HOST, host);
         }
-        None => {
-            headers.remove(X_FORWARDED_HOST);
-        }
+        None => crate::headers::remove(headers, &X_FORWARDED_HOST),
     }
 }
 
@@ -330,7 +328,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, ip: HeaderValue) {
 /// `Idempotent-Replayed` are removed.
 pub fn prepare_response_headers(headers: &mut http::HeaderMap) {
     strip_hop_by_hop(headers);
-    headers.remove(IDEMPOTENT_REPLAYED);
+    crate::headers::remove(headers, &IDEMPOTENT_REPLAYED);
 }
 
 /// A response body: the upstream's, streamed (its connection goes back to the pool once the

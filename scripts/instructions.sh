@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Instructions per request, counted by valgrind's callgrind: a figure that does not move with
+# the load on a shared machine, for comparing two commits where req/s and CPU time are too
+# noisy to show a change of a few percent. Loopback only, bounded duration.
+#
+#   scripts/instructions.sh        # build, count each case, print a table
+#
+# Settings (environment):
+#   DURATION=5       seconds of counted load per case     CONNECTIONS=8   wrk connections
+#   SERVER_CPU=0     core for the servers                 LOAD_CPU=1      core for wrk
+#
+# Cases: the benchmark upstream alone (a bare hyper server: the floor for any hyper-based
+# proxy), and idemgate with the memory store for pass-through, new keys and replays. Only the
+# measured server runs under callgrind; the count covers the load window only (instrumentation
+# is switched on after a warm-up), divided by the requests the server counted.
+#
+# Valgrind's CPU has no SHA extensions, so sha2 runs its portable code there, several times
+# the instructions of the SHA-NI code used on real machines: the table also gives the count
+# outside SHA-256.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+NAME=instructions
+# shellcheck source=scripts/lib.sh
+. "$ROOT/scripts/lib.sh"
+
+DURATION=${DURATION:-5}
+CONNECTIONS=${CONNECTIONS:-8}
+SERVER_CPU=${SERVER_CPU:-0}
+LOAD_CPU=${LOAD_CPU:-1}
+
+need_tools valgrind:valgrind wrk:wrk taskset:util-linux
+
+log "building release binaries"
+cargo build --release --locked --examples --bins >&2
+BIN="$ROOT/target/release"
+PIN=(taskset -c "$SERVER_CPU")
+LOAD=(taskset -c "$LOAD_CPU" wrk -t1 -c"$CONNECTIONS")
+CALLGRIND=(valgrind -q --tool=callgrind --instr-atstart=no)
+
+# Instructions in a callgrind dump: all of them, and those outside sha2's code.
+count() {
+    callgrind_annotate --threshold=100 "$1" 2>/dev/null | awk '
+        /PROGRAM TOTALS/ { gsub(",", "", $1); total = $1 }
+        /^ *[0-9,]+ +\(/ && /sha2/ { gsub(",", "", $1); sha += $1 }
+        END { printf "%d %d\n", total, sha }'
+}
+
+# A warm-up run, uncounted.
+warm_up() { "${LOAD[@]}" -d2s -s "$ROOT/scripts/$2.lua" "$1" -- warm >/dev/null; }
+
+# Switches counting on for one wrk run against URL with SCRIPT, then dumps; prints the dump.
+measure() {
+    local pid=$1 url=$2 script=$3 out=$4
+    callgrind_control -i on "$pid" >/dev/null 2>&1
+    "${LOAD[@]}" -d"${DURATION}s" -s "$ROOT/scripts/$script.lua" "$url" -- "run$RANDOM" >"$out"
+    callgrind_control -i off "$pid" >/dev/null 2>&1
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    local dump
+    for _ in $(seq 1 50); do
+        dump=$(ls "$TMP"/cg."$pid".* 2>/dev/null | grep -v "\.$pid$" | head -1 || true)
+        [ -n "$dump" ] && break
+        sleep 0.1
+    done
+    [ -n "$dump" ] || die "callgrind wrote no dump for pid $pid"
+    echo "$dump"
+}
+
+ROWS="$TMP/rows"
+: >"$ROWS"
+row() { # label requests dump
+    read -r total sha < <(count "$3")
+    [ "$2" -gt 0 ] || die "no requests counted for $1"
+    printf '%s\t%d\t%d\t%d\n' "$1" "$2" $((total / $2)) $(((total - sha) / $2)) >>"$ROWS"
+    log "$(printf '%-26s %8d requests %8d instructions/request' "$1" "$2" $((total / $2)))"
+}
+
+# --- the upstream alone --------------------------------------------------------------------
+"${PIN[@]}" "${CALLGRIND[@]}" --callgrind-out-file="$TMP/cg.%p" \
+    "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/floor.out" 2>&1 &
+PIDS+=($!); FLOOR_PID=$!
+FLOOR=$(wait_line "$TMP/floor.out" '^[0-9.]+:[0-9]+$' "the upstream under callgrind")
+warm_up "http://$FLOOR/v1/payments" post
+dump=$(measure "$FLOOR_PID" "http://$FLOOR/v1/payments" post "$TMP/wrk-floor.out")
+requests=$(awk '/requests in/ {print $1}' "$TMP/wrk-floor.out")
+row "upstream alone (hyper)" "$requests" "$dump"
+kill "$FLOOR_PID"; wait "$FLOOR_PID" 2>/dev/null || true
+
+# --- idemgate, memory store ----------------------------------------------------------------
+"${PIN[@]}" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
+PIDS+=($!)
+UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+cat >"$TMP/idemgate.toml" <<EOF
+upstream = "http://$UPSTREAM"
+ttl = "5s"
+
+[[routes]]
+prefix = "/replay"
+ttl = "1h"
+EOF
+
+# Requests idemgate has answered so far, from its admin endpoint.
+answered() {
+    local body
+    body=$(exec 3<>"/dev/tcp/${1%:*}/${1##*:}" && printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3 && cat <&3)
+    echo "$body" | awk '/^idemgate_requests_total/ {s += $NF} END {printf "%d\n", s}'
+}
+
+for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
+    "replays|/replay/v1/payments|replays"; do
+    IFS='|' read -r label path script <<<"$case"
+    IDEMGATE_LOG=warn "${PIN[@]}" "${CALLGRIND[@]}" --callgrind-out-file="$TMP/cg.%p" \
+        "$BIN/idemgate" --config "$TMP/idemgate.toml" --listen 127.0.0.1:0 \
+        --admin-listen 127.0.0.1:0 --store memory >"$TMP/idemgate.out" 2>&1 &
+    PIDS+=($!); pid=$!
+    line=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' "idemgate under callgrind")
+    gateway=$(echo "$line" | awk '{print $4}')
+    admin=$(echo "$line" | awk '{print $6}')
+    # The warm-up's requests are counted by idemgate but not by callgrind: read the counter
+    # around the measured run only.
+    warm_up "http://$gateway$path" "$script"
+    before=$(answered "$admin")
+    dump=$(measure "$pid" "http://$gateway$path" "$script" "$TMP/wrk.out")
+    after=$(answered "$admin")
+    row "idemgate $label" $((after - before)) "$dump"
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    rm -f "$TMP"/cg."$pid"*
+done
+
+echo "| case | requests counted | instructions / request | outside SHA-256 |"
+echo "| --- | ---: | ---: | ---: |"
+awk -F'\t' '{printf "| %s | %d | %d | %d |\n", $1, $2, $3, $4}' "$ROWS"

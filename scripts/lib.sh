@@ -1,0 +1,52 @@
+# Helpers shared by the benchmark scripts (bench.sh, soak.sh, instructions.sh); sourced, not run.
+# The sourcing script sets NAME (its prefix in messages) first.
+
+log() { printf '%s: %s\n' "$NAME" "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"
+    elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+    else die "need root or sudo to run: $*"; fi
+}
+
+# Installs the Debian packages named for each missing command: `need_tools cmd:package ...`.
+need_tools() {
+    local pair missing=()
+    for pair in "$@"; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${pair%%:*}" ] \
+            || missing+=("${pair#*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and apt-get is not available"
+    log "installing ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
+}
+
+# A temporary directory and the processes started in it (append pids to PIDS), removed and
+# stopped on exit; only those processes are ever signalled.
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/idemgate-$NAME.XXXXXX")
+PIDS=()
+cleanup() {
+    local pid
+    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Waits until FILE has a line matching PATTERN; prints the line.
+wait_line() {
+    local file=$1 pattern=$2 what=$3 line
+    for _ in $(seq 1 300); do
+        line=$(grep -m1 -E "$pattern" "$file" 2>/dev/null || true)
+        if [ -n "$line" ]; then echo "$line"; return 0; fi
+        sleep 0.1
+    done
+    log "$what did not start; its output:"
+    cat "$file" >&2 || true
+    exit 1
+}

@@ -12,6 +12,7 @@
 //! | `missing-key` | 400 | the route requires a key and the request has none |
 //! | `request-body-error` | 400 | the request body could not be read |
 //! | `request-too-large` | 413 | the body of a keyed request is over `max_request_bytes` |
+//! | `headers-too-large` | 431 | (proxy) more header fields than `max_headers`, or a header block over `max_header_bytes` |
 //! | `key-mismatch` | 422 (configurable) | the key was used before with a different request |
 //! | `request-in-flight` | 409 + `Retry-After` | the same request is running now |
 //! | `response-not-replayable` | 409 | the request ran, but its response was over `max_response_bytes` and was not kept |
@@ -61,6 +62,8 @@ pub enum ProblemKind {
     RequestBodyError,
     /// `413 request-too-large`.
     RequestTooLarge,
+    /// `431 headers-too-large` (proxy).
+    HeadersTooLarge,
     /// `422 key-mismatch` (status configurable per route).
     KeyMismatch,
     /// `409 request-in-flight`.
@@ -99,6 +102,7 @@ impl ProblemKind {
             ProblemKind::MissingKey => "missing-key",
             ProblemKind::RequestBodyError => "request-body-error",
             ProblemKind::RequestTooLarge => "request-too-large",
+            ProblemKind::HeadersTooLarge => "headers-too-large",
             ProblemKind::KeyMismatch => "key-mismatch",
             ProblemKind::RequestInFlight => "request-in-flight",
             ProblemKind::ResponseNotReplayable => "response-not-replayable",
@@ -123,6 +127,7 @@ impl ProblemKind {
             ProblemKind::MissingKey => "Idempotency key required",
             ProblemKind::RequestBodyError => "Request body could not be read",
             ProblemKind::RequestTooLarge => "Request body too large for an idempotent request",
+            ProblemKind::HeadersTooLarge => "Request header fields too large",
             ProblemKind::KeyMismatch => "Idempotency key reused with a different request",
             ProblemKind::RequestInFlight => "A request with this idempotency key is in progress",
             ProblemKind::ResponseNotReplayable => "Original response too large to replay",
@@ -151,6 +156,7 @@ impl ProblemKind {
             ProblemKind::NotFound | ProblemKind::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ProblemKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemKind::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::RequestInFlight | ProblemKind::ResponseNotReplayable => {
                 StatusCode::CONFLICT
@@ -221,6 +227,24 @@ impl Problem {
             ProblemKind::RequestTooLarge,
             format!(
                 "an idempotent request body may be at most {limit} bytes; nothing was forwarded"
+            ),
+        )
+    }
+
+    /// `431 headers-too-large`: more header fields than the proxy accepts.
+    pub fn too_many_headers(fields: usize, limit: usize) -> Self {
+        Self::new(
+            ProblemKind::HeadersTooLarge,
+            format!("the request has {fields} header fields; at most {limit} are accepted"),
+        )
+    }
+
+    /// `431 headers-too-large`: a header block larger than the proxy accepts.
+    pub fn header_block_too_large(bytes: usize, limit: usize) -> Self {
+        Self::new(
+            ProblemKind::HeadersTooLarge,
+            format!(
+                "the request's header block is about {bytes} bytes; at most {limit} are accepted"
             ),
         )
     }
@@ -619,6 +643,7 @@ mod tests {
             ProblemKind::MissingKey,
             ProblemKind::RequestBodyError,
             ProblemKind::RequestTooLarge,
+            ProblemKind::HeadersTooLarge,
             ProblemKind::KeyMismatch,
             ProblemKind::RequestInFlight,
             ProblemKind::ResponseNotReplayable,

@@ -735,6 +735,55 @@ async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
     assert_eq!(r.status, 201);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_over_the_header_limits_get_a_431_problem() {
+    fn as_refs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
+        fields
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect()
+    }
+    let s = setup_with("[limits]\nmax_headers = 20\nmax_header_bytes = \"8KiB\"").await;
+    let fields = |n: usize| -> Vec<(String, String)> {
+        (0..n)
+            .map(|i| (format!("x-field-{i}"), "1".to_owned()))
+            .collect()
+    };
+    let many = fields(25);
+    let big = "v".repeat(10_000);
+    let over: [(&str, Vec<(&str, &str)>); 2] = [
+        ("/many", as_refs(&many)),
+        ("/big", vec![("x-big", big.as_str())]),
+    ];
+    for (path, headers) in over {
+        let mut headers = headers;
+        headers.push(("idempotency-key", "k-limits"));
+        let r = send("POST", &s.gw.url(path), &headers, "x").await;
+        assert_eq!(r.status, 431, "{path}");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        assert_eq!(r.json()["type"], "urn:idemgate:problem:headers-too-large");
+        assert_eq!(s.upstream.hits(path), 0, "{path} was forwarded");
+    }
+    // Within the limits the same kind of request goes through, key and all.
+    let few = fields(10);
+    let fits = "v".repeat(6_000);
+    let mut headers = as_refs(&few);
+    headers.extend([("x-big", fits.as_str()), ("idempotency-key", "k-limits")]);
+    assert_eq!(
+        send("POST", &s.gw.url("/few"), &headers, "x").await.status,
+        201
+    );
+    // Past twice the limit the HTTP layer answers by itself and closes the connection.
+    let mut flood = b"GET /flood HTTP/1.1\r\nHost: x\r\n".to_vec();
+    for i in 0..60 {
+        flood.extend_from_slice(format!("x-f-{i}: 1\r\n").as_bytes());
+    }
+    flood.extend_from_slice(b"\r\n");
+    let answer = raw(s.gw.addr, &flood).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert_eq!(s.upstream.hits("/flood"), 0);
+}
+
 // ---- operating it -------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]

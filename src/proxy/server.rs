@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -26,9 +27,9 @@ use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::{ClientAddr, Forwarder};
 use super::metrics::{InstrumentedStore, Metrics};
 use crate::IdempotencyLayer;
-use crate::body::RequestBody;
+use crate::body::{RequestBody, ResponseBody};
 use crate::policy::{OnStoreError, RoutePolicy};
-use crate::response::Outcome;
+use crate::response::{Outcome, Problem};
 use crate::store::{Store, StoreError};
 
 /// Why the gateway could not start.
@@ -269,6 +270,9 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunEr
         .map_err(|source| RunError::Bind { what, addr, source })
 }
 
+/// How far above the configured header limits hyper's own are set (see [`Front`]).
+const HYPER_LIMITS_FACTOR: usize = 2;
+
 fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -277,13 +281,18 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         // With a timer set, hyper closes a connection whose header block is not complete in
         // time; the timer also runs while a keep-alive connection waits for its next request.
         .header_read_timeout(limits.header_read_timeout)
-        .max_headers(limits.max_headers)
-        .max_buf_size(limits.max_header_bytes)
+        // hyper's own limits sit above the configured ones, which the front service checks
+        // and answers with a problem response; only a request past hyper's gets its bare 431.
+        .max_headers(limits.max_headers.saturating_mul(HYPER_LIMITS_FACTOR))
+        .max_buf_size(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
         .keep_alive(true);
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .max_header_list_size(
+            u32::try_from(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
+                .unwrap_or(u32::MAX),
+        )
         .keep_alive_interval(limits.idle_timeout / 2)
         .keep_alive_timeout(limits.header_read_timeout);
     builder
@@ -303,7 +312,7 @@ async fn accept_loop<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     loop {
@@ -326,6 +335,7 @@ async fn accept_loop<S, B>(
             inner: service.clone(),
             client: ClientAddr::new(peer),
             metrics: Arc::clone(&metrics),
+            limits,
         };
         let builder = builder.clone();
         let stop = stop.clone();
@@ -351,7 +361,7 @@ async fn serve_connection<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::new(Activity::default());
@@ -497,13 +507,46 @@ impl AsyncWrite for ActivityIo {
     }
 }
 
-/// The outermost per-connection service: tags each request with the client's address, and
-/// logs and counts what the layer decided.
+/// The outermost per-connection service: refuses a request over the header limits, tags each
+/// request with the client's address, and logs and counts what the layer decided.
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
     client: ClientAddr,
     metrics: Arc<Metrics>,
+    limits: Limits,
+}
+
+/// A response body the front service can answer a problem with.
+trait ProblemBody {
+    fn problem(body: Bytes) -> Self;
+}
+
+impl<B> ProblemBody for ResponseBody<B> {
+    fn problem(body: Bytes) -> Self {
+        ResponseBody::full(body)
+    }
+}
+
+/// `431 headers-too-large` for a request with more header fields than `max_headers`, or a
+/// larger header block (request line and fields) than `max_header_bytes`.
+fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
+    let fields = req.headers().len();
+    if fields > limits.max_headers {
+        return Some(Problem::too_many_headers(fields, limits.max_headers));
+    }
+    // As sent: `METHOD TARGET HTTP/1.1\r\n`, and `NAME: VALUE\r\n` per field.
+    let uri = req.uri();
+    let origin = uri.authority().map_or(0, |authority| {
+        uri.scheme_str().map_or(0, |scheme| scheme.len() + 3) + authority.as_str().len()
+    });
+    let target = origin + uri.path_and_query().map_or(1, |p| p.as_str().len());
+    let line = req.method().as_str().len() + target + 11;
+    let block = req.headers().iter().fold(line, |sum, (name, value)| {
+        sum + name.as_str().len() + value.len() + 4
+    });
+    (block > limits.max_header_bytes)
+        .then(|| Problem::header_block_too_large(block, limits.max_header_bytes))
 }
 
 impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
@@ -513,13 +556,14 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: Send + 'static,
+    B: ProblemBody + Send + 'static,
 {
     type Response = Response<B>;
     type Error = Infallible;
     type Future = FrontFuture<S::Future, B>;
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        let refused = over_header_limits(&req, &self.limits);
         req.extensions_mut().insert(self.client.clone());
         let log = RequestLog {
             method: req.method().clone(),
@@ -529,6 +573,15 @@ where
             metrics: Arc::clone(&self.metrics),
             peer: self.client.addr(),
         };
+        if let Some(problem) = refused {
+            let response = problem.into_response().map(B::problem);
+            return FrontFuture {
+                call: Call::Refused {
+                    answer: std::future::ready(Ok(response)),
+                },
+                log,
+            };
+        }
         let mut inner = self.inner.clone();
         // The layer in front of the forwarder is always ready; a service that is not yet gets
         // a task-owned wait.
@@ -564,6 +617,7 @@ pin_project_lite::pin_project! {
     enum Call<F, B> {
         Called { #[pin] future: F },
         Waiting { future: BoxedCall<B> },
+        Refused { #[pin] answer: std::future::Ready<Result<Response<B>, Infallible>> },
     }
 }
 
@@ -578,6 +632,7 @@ where
         let Ok(response) = std::task::ready!(match this.call.project() {
             CallProj::Called { future } => future.poll(cx),
             CallProj::Waiting { future } => future.as_mut().poll(cx),
+            CallProj::Refused { answer } => answer.poll(cx),
         });
         this.log.write(&response);
         Poll::Ready(Ok(response))

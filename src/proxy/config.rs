@@ -43,7 +43,7 @@ pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time an idle keep-alive connection stays open.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default cap on header fields in one request.
-pub const DEFAULT_MAX_HEADERS: usize = 100;
+pub const DEFAULT_MAX_HEADERS: usize = 64;
 /// Default cap on a request's header block in bytes (HTTP/1.1 read buffer; HTTP/2 header list).
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Largest accepted `max_connections`.

@@ -22,14 +22,13 @@ use http::header::{HOST, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
-use hyper::client::conn::http1::SendRequest;
 use tower_service::Service;
 
 use super::ErrorChain;
+use super::client::{self, BodyReader, ClientError, Connection, ResponseHead};
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
-use super::pool::{ConnectError, Pool, Pooled};
+use super::pool::{ConnectError, Pool};
 use crate::headers::strip_hop_by_hop;
 use crate::response::{IDEMPOTENT_REPLAYED, Problem, UpstreamFailure};
 
@@ -64,12 +63,12 @@ impl ClientAddr {
 
 /// Sends requests with bodies of type `B` to the upstream. A clone shares everything (one
 /// reference count), so the layer may clone it per request.
-pub struct Forwarder<B> {
-    shared: Arc<ForwarderShared<B>>,
+pub struct Forwarder {
+    shared: Arc<ForwarderShared>,
 }
 
-struct ForwarderShared<B> {
-    pool: Arc<Pool<B>>,
+struct ForwarderShared {
+    pool: Arc<Pool>,
     /// The `Host` sent upstream: the upstream's own authority.
     host: HeaderValue,
     upstream: Upstream,
@@ -77,7 +76,7 @@ struct ForwarderShared<B> {
     metrics: Arc<Metrics>,
 }
 
-impl<B> Clone for Forwarder<B> {
+impl Clone for Forwarder {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -85,11 +84,7 @@ impl<B> Clone for Forwarder<B> {
     }
 }
 
-impl<B> Forwarder<B>
-where
-    B: Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+impl Forwarder {
     /// A forwarder to `upstream` that waits at most `timeout` for a response head and at most
     /// `connect_timeout` for a new connection.
     pub fn new(
@@ -111,12 +106,12 @@ where
     }
 }
 
-impl<B> Service<Request<B>> for Forwarder<B>
+impl<B> Service<Request<B>> for Forwarder
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    type Response = Response<ProxyBody<B>>;
+    type Response = Response<ProxyBody>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
@@ -130,7 +125,7 @@ where
     }
 }
 
-async fn forward<B>(shared: &ForwarderShared<B>, req: Request<B>) -> Response<ProxyBody<B>>
+async fn forward<B>(shared: &ForwarderShared, req: Request<B>) -> Response<ProxyBody>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -148,24 +143,37 @@ where
     parts.uri = Uri::from(target);
     // The upstream connection is HTTP/1.1 whatever the client spoke (h2c included).
     parts.version = Version::HTTP_11;
-    let request = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let result = tokio::time::timeout(shared.timeout, send(&shared.pool, request)).await;
+    let result = tokio::time::timeout(shared.timeout, send(&shared.pool, &parts, body)).await;
     match result {
-        Ok(Ok((response, sender))) => {
+        Ok(Ok((mut head, connection))) => {
             shared.metrics.observe_upstream(started.elapsed());
-            let (mut parts, body) = response.into_parts();
-            prepare_response_headers(&mut parts.headers);
+            prepare_response_headers(&mut head.headers);
+            let body = ProxyBody::upstream(BodyReader::new(&head, connection), &shared.pool);
+            let mut response = Response::new(body);
+            *response.status_mut() = head.status;
             // Answer in the client's protocol version, whatever the upstream spoke (an
             // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
-            parts.version = client_version;
-            let pooled = Pooled::new(sender, Arc::clone(&shared.pool));
-            Response::from_parts(parts, ProxyBody::upstream(body, pooled))
+            *response.version_mut() = client_version;
+            *response.headers_mut() = head.headers;
+            response
+        }
+        Ok(Err(SendError::BodyBeforeSent(error))) => {
+            // The client's body broke off before anything went upstream: not the upstream's
+            // failure, and nothing was sent.
+            tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
+            let mut response = Problem::request_body_error()
+                .into_response()
+                .map(ProxyBody::full);
+            response.extensions_mut().insert(UpstreamFailure::NotSent);
+            response
         }
         Ok(Err(error)) => {
             let kind = match error {
-                SendError::Connect(_) | SendError::NotSent(_) => UpstreamErrorKind::Unreachable,
+                SendError::Connect(_) | SendError::NotSent(_) | SendError::BodyBeforeSent(_) => {
+                    UpstreamErrorKind::Unreachable
+                }
                 SendError::Sent(_) => UpstreamErrorKind::Reset,
             };
             tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
@@ -187,50 +195,58 @@ enum SendError {
     /// No connection could be had: nothing was sent.
     #[error(transparent)]
     Connect(ConnectError),
-    /// A new connection refused the request before any of it was written.
-    #[error("the upstream connection closed before the request was sent")]
-    NotSent(#[source] hyper::Error),
+    /// A new connection failed before any of the request was written.
+    #[error("the upstream connection failed before the request was sent")]
+    NotSent(#[source] std::io::Error),
+    /// The client's request body failed before any of it was written.
+    #[error("the request body failed before it was sent")]
+    BodyBeforeSent(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The request was (or may have been) sent, and no response came.
     #[error("the upstream gave no response")]
-    Sent(#[source] hyper::Error),
+    Sent(#[source] ClientError),
 }
 
-/// Sends `request` on an idle connection, or on a new one; an idle connection that turns out
-/// to be closing before the request was written to it gets the request sent on a new one.
-/// Answers with the response head and the connection it came on.
+impl From<client::SendError> for SendError {
+    fn from(error: client::SendError) -> Self {
+        match error {
+            client::SendError::Unused(error) => SendError::NotSent(error),
+            client::SendError::BodyBeforeSent(error) => SendError::BodyBeforeSent(error),
+            client::SendError::NoResponse(error) => SendError::Sent(error),
+        }
+    }
+}
+
+/// Sends the request on an idle connection, or on a new one; an idle connection that fails
+/// before anything was written to it gets the request sent on a new one. Answers with the
+/// response head and the connection it came on.
 async fn send<B>(
-    pool: &Pool<B>,
-    mut request: Request<B>,
-) -> Result<(Response<Incoming>, SendRequest<B>), SendError>
+    pool: &Pool,
+    head: &http::request::Parts,
+    mut body: B,
+) -> Result<(ResponseHead, Connection), SendError>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    if let Some(mut sender) = pool.take_idle() {
-        match sender.try_send_request(request).await {
-            Ok(response) => return Ok((response, sender)),
-            Err(mut error) => match error.take_message() {
-                Some(unsent) => request = unsent,
-                None => return Err(SendError::Sent(error.into_error())),
-            },
+    // A body frame taken by an attempt that wrote nothing, for the next attempt.
+    let mut first = None;
+    if let Some(mut connection) = pool.take_idle() {
+        match connection.send(head, &mut body, &mut first).await {
+            Ok(response) => return Ok((response, connection)),
+            Err(client::SendError::Unused(error)) => {
+                tracing::debug!(error = %ErrorChain(&error), "idle upstream connection failed; trying a new one");
+            }
+            Err(error) => return Err(error.into()),
         }
     }
-    let mut sender = pool.connect().await.map_err(SendError::Connect)?;
-    match sender.try_send_request(request).await {
-        Ok(response) => Ok((response, sender)),
-        Err(mut error) => match error.take_message() {
-            Some(_) => Err(SendError::NotSent(error.into_error())),
-            None => Err(SendError::Sent(error.into_error())),
-        },
-    }
+    let mut connection = pool.connect().await.map_err(SendError::Connect)?;
+    let response = connection.send(head, &mut body, &mut first).await?;
+    Ok((response, connection))
 }
 
 /// The answer when the upstream gave none: the layer's problem response, marked with what
 /// happened to the request.
-fn upstream_failure<B>(
-    kind: UpstreamErrorKind,
-    shared: &ForwarderShared<B>,
-) -> Response<ProxyBody<B>> {
+fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Response<ProxyBody> {
     shared.metrics.count_upstream_error(kind);
     let (problem, failure) = match kind {
         UpstreamErrorKind::Unreachable => {
@@ -334,48 +350,30 @@ pub fn prepare_response_headers(headers: &mut http::HeaderMap) {
 /// A response body: the upstream's, streamed (its connection goes back to the pool once the
 /// body has been read to its end), or one the gateway made.
 #[derive(Debug)]
-pub struct ProxyBody<B> {
-    inner: ProxyBodyInner<B>,
+pub struct ProxyBody {
+    inner: ProxyBodyInner,
 }
 
 #[derive(Debug)]
-enum ProxyBodyInner<B> {
-    Upstream {
-        body: Incoming,
-        connection: Option<Pooled<B>>,
-    },
+enum ProxyBodyInner {
+    Upstream { reader: BodyReader, pool: Arc<Pool> },
     Full(Option<Bytes>),
 }
 
-impl<B> ProxyBody<B>
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    fn upstream(body: Incoming, connection: Pooled<B>) -> Self {
-        let mut connection = Some(connection);
-        if body.is_end_stream() {
-            // No body to read (`204`, `Content-Length: 0`): the connection is free now.
-            put_back(&mut connection);
+impl ProxyBody {
+    fn upstream(mut reader: BodyReader, pool: &Arc<Pool>) -> Self {
+        // No body to read (`204`, `Content-Length: 0`): the connection is free now.
+        if let Some(connection) = reader.take_reusable() {
+            pool.put_back(connection);
         }
         Self {
-            inner: ProxyBodyInner::Upstream { body, connection },
+            inner: ProxyBodyInner::Upstream {
+                reader,
+                pool: Arc::clone(pool),
+            },
         }
     }
-}
 
-/// Returns a response's connection to its pool, once.
-fn put_back<B>(connection: &mut Option<Pooled<B>>)
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    if let Some(connection) = connection.take() {
-        connection.put_back();
-    }
-}
-
-impl<B> ProxyBody<B> {
     /// A body of `bytes`, sent whole.
     pub fn full(bytes: Bytes) -> Self {
         Self {
@@ -384,33 +382,22 @@ impl<B> ProxyBody<B> {
     }
 }
 
-impl<B> Body for ProxyBody<B>
-where
-    B: Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+impl Body for ProxyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = ClientError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, ClientError>>> {
         match &mut self.get_mut().inner {
-            ProxyBodyInner::Upstream { body, connection } => {
-                let frame = Pin::new(&mut *body).poll_frame(cx);
-                match &frame {
-                    Poll::Ready(None) => {
-                        put_back(connection);
-                    }
-                    Poll::Ready(Some(Ok(_))) if body.is_end_stream() => {
-                        put_back(connection);
-                    }
-                    // A broken response leaves its connection unusable: it closes with it.
-                    Poll::Ready(Some(Err(_))) => drop(connection.take()),
-                    _ => {}
+            ProxyBodyInner::Upstream { reader, pool } => {
+                let data = std::task::ready!(reader.poll_data(cx));
+                // Read to its end, the response frees its connection for the next request.
+                if let Some(connection) = reader.take_reusable() {
+                    pool.put_back(connection);
                 }
-                frame
+                Poll::Ready(data.map(|data| data.map(Frame::data)))
             }
             ProxyBodyInner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
@@ -418,14 +405,16 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.inner {
-            ProxyBodyInner::Upstream { body, .. } => body.is_end_stream(),
+            ProxyBodyInner::Upstream { reader, .. } => reader.is_done(),
             ProxyBodyInner::Full(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            ProxyBodyInner::Upstream { body, .. } => body.size_hint(),
+            ProxyBodyInner::Upstream { reader, .. } => reader
+                .remaining()
+                .map_or_else(SizeHint::default, SizeHint::with_exact),
             ProxyBodyInner::Full(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

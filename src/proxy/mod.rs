@@ -10,11 +10,13 @@
 //! - [`config`]: the TOML file, overrides and validation.
 //! - [`forward`]: the forwarder to the upstream: targets, header rules, upstream failures.
 //! - [`pool`]: the keep-alive connections to the upstream.
+//! - [`client`]: HTTP/1.1 on one upstream connection: the request out, the response in.
 //! - [`server`]: the listeners, connection limits, graceful shutdown.
 //! - [`admin`]: health, readiness, metrics and the record endpoints.
 //! - [`metrics`]: counters, histograms and the instrumented store.
 
 pub mod admin;
+pub mod client;
 pub mod config;
 pub mod forward;
 pub mod metrics;

@@ -1,10 +1,11 @@
 //! Keep-alive HTTP/1.1 connections to the upstream.
 //!
-//! Each connection is a hyper client connection driven by a task of its own. A request takes
-//! an idle connection (the most recently used that is ready) or opens one; the connection
-//! comes back to the pool when its response body has been read to the end (see
-//! [`Pooled`]). A response dropped before its end takes its connection with it: HTTP/1.1
-//! cannot reuse a connection with a response half-read.
+//! A connection is a socket and its read buffer ([`Connection`]), used by one request at a
+//! time and driven by that request's task. A request takes an idle connection (the most
+//! recently used one the upstream has not closed) or opens one; the connection comes back to
+//! the pool when its response body has been read to the end (see
+//! [`super::client::BodyReader`]). A response dropped before its end takes its connection
+//! with it: HTTP/1.1 cannot reuse a connection with a response half-read.
 //!
 //! The pool holds at most [`MAX_IDLE`] idle connections; an idle connection is closed at the
 //! second reaper round (every [`REAP_EVERY`]) after it came back, so after 2 to 4 s idle.
@@ -14,15 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::header::HeaderValue;
 use http::uri::Authority;
-use http_body::Body;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use super::ErrorChain;
+use super::client::Connection;
 
 /// Most idle connections kept; more are closed as they come back.
 pub const MAX_IDLE: usize = 512;
@@ -52,32 +49,33 @@ pub enum ConnectError {
         /// The connect timeout.
         after: Duration,
     },
-    /// The HTTP/1.1 handshake failed.
-    #[error("HTTP handshake with the upstream failed")]
-    Handshake(#[source] hyper::Error),
 }
 
 /// Idle upstream connections, shared by every request.
-pub struct Pool<B> {
+pub struct Pool {
     authority: Authority,
     host: String,
     port: u16,
     connect_timeout: Duration,
-    idle: Mutex<Vec<Idle<B>>>,
+    idle: Mutex<Vec<Idle>>,
     /// Bumped by the reaper each round.
     round: AtomicU64,
 }
 
-struct Idle<B> {
-    sender: SendRequest<B>,
+struct Idle {
+    connection: Connection,
     round: u64,
 }
 
-impl<B> Pool<B>
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("authority", &self.authority)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pool {
     /// A pool of connections to `authority` that gives up connecting after `connect_timeout`.
     /// Made inside a runtime, it starts its reaper there; the reaper stops with the pool.
     pub fn new(authority: Authority, connect_timeout: Duration) -> Arc<Self> {
@@ -108,25 +106,21 @@ where
             .unwrap_or_else(|_| HeaderValue::from_static("localhost"))
     }
 
-    /// An idle connection that is ready for a request, if there is one.
-    pub fn take_idle(&self) -> Option<SendRequest<B>> {
+    /// An idle connection the upstream has not closed, if there is one.
+    pub fn take_idle(&self) -> Option<Connection> {
         let mut idle = self.lock();
         // The most recently used first: its socket is the warmest. Closed ones are dropped on
-        // the way; one still finishing its last response stays for later.
-        while let Some(at) = idle
-            .iter()
-            .rposition(|e| e.sender.is_ready() || e.sender.is_closed())
-        {
-            let entry = idle.swap_remove(at);
-            if !entry.sender.is_closed() {
-                return Some(entry.sender);
+        // the way.
+        while let Some(entry) = idle.pop() {
+            if entry.connection.is_usable() {
+                return Some(entry.connection);
             }
         }
         None
     }
 
-    /// Opens a new connection and starts the task that drives it.
-    pub async fn connect(&self) -> Result<SendRequest<B>, ConnectError> {
+    /// Opens a new connection.
+    pub async fn connect(&self) -> Result<Connection, ConnectError> {
         let connecting = TcpStream::connect((self.host.as_str(), self.port));
         let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
             Ok(Ok(stream)) => stream,
@@ -144,27 +138,15 @@ where
             }
         };
         let _ = stream.set_nodelay(true);
-        let (sender, connection) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(ConnectError::Handshake)?;
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(error = %ErrorChain(&error), "upstream connection ended with an error");
-            }
-        });
-        Ok(sender)
+        Ok(Connection::new(stream))
     }
 
     /// Takes back a connection whose response was read to its end.
-    pub fn put_back(&self, sender: SendRequest<B>) {
-        if sender.is_closed() {
-            return;
-        }
+    pub fn put_back(&self, connection: Connection) {
         let round = self.round.load(Ordering::Relaxed);
         let mut idle = self.lock();
         if idle.len() < MAX_IDLE {
-            idle.push(Idle { sender, round });
+            idle.push(Idle { connection, round });
         }
     }
 
@@ -173,25 +155,22 @@ where
         self.lock().len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle<B>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// One reaper round: closes connections idle since before the previous round.
+    /// One reaper round: closes connections idle since before the previous round, and those
+    /// the upstream closed.
     fn reap_round(&self) {
         let round = self.round.fetch_add(1, Ordering::Relaxed) + 1;
         self.lock()
-            .retain(|e| e.round + 2 > round && !e.sender.is_closed());
+            .retain(|e| e.round + 2 > round && e.connection.is_usable());
     }
 }
 
-async fn reap<B>(pool: Weak<Pool<B>>)
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
+async fn reap(pool: Weak<Pool>) {
     let mut ticks = tokio::time::interval(REAP_EVERY);
     ticks.tick().await;
     loop {
@@ -203,41 +182,16 @@ where
     }
 }
 
-/// A connection lent to one request, returned to its pool when the response has been read
-/// to its end; dropped with the response otherwise (which closes it).
-pub struct Pooled<B> {
-    sender: SendRequest<B>,
-    pool: Arc<Pool<B>>,
-}
-
-impl<B> Pooled<B>
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    /// Lends `sender` (from `pool`) to a response.
-    pub fn new(sender: SendRequest<B>, pool: Arc<Pool<B>>) -> Self {
-        Self { sender, pool }
-    }
-
-    /// The response was read to its end: the connection may serve another request.
-    pub fn put_back(self) {
-        self.pool.put_back(self.sender);
-    }
-}
-
-impl<B> std::fmt::Debug for Pooled<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pooled").finish_non_exhaustive()
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use http_body_util::Empty;
+    use std::future::poll_fn;
 
-    type TestPool = Pool<Empty<Bytes>>;
+    use bytes::Bytes;
+    use http_body_util::{Empty, Full};
+    use hyper_util::rt::TokioIo;
+
+    use super::*;
+    use crate::proxy::client::BodyReader;
 
     async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -250,9 +204,9 @@ mod tests {
                 tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(
                     TokioIo::new(stream),
                     hyper::service::service_fn(|_req| async {
-                        Ok::<_, std::convert::Infallible>(http::Response::new(
-                            http_body_util::Full::new(Bytes::from_static(b"ok")),
-                        ))
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from_static(b"ok"),
+                        )))
                     }),
                 ));
             }
@@ -267,22 +221,27 @@ mod tests {
     #[tokio::test]
     async fn a_connection_comes_back_ready_and_is_reused() {
         let (addr, _server) = upstream().await;
-        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1));
         assert!(pool.take_idle().is_none());
-        let mut sender = pool.connect().await.unwrap();
-        let request = http::Request::builder()
+        let mut connection = pool.connect().await.unwrap();
+        let (head, ()) = http::Request::builder()
             .uri("/")
             .header(http::header::HOST, pool.host_header())
-            .body(Empty::new())
-            .unwrap();
-        let response = sender.send_request(request).await.unwrap();
-        // Read to its end, the response frees the connection.
-        let body = http_body_util::BodyExt::collect(response.into_body())
+            .body(())
+            .unwrap()
+            .into_parts();
+        let response = connection
+            .send(&head, &mut Empty::<Bytes>::new(), &mut None)
             .await
             .unwrap();
-        assert_eq!(body.to_bytes(), "ok");
-        sender.ready().await.unwrap();
-        Pooled::new(sender, Arc::clone(&pool)).put_back();
+        let mut reader = BodyReader::new(&response, connection);
+        let mut body = Vec::new();
+        while let Some(data) = poll_fn(|cx| reader.poll_data(cx)).await {
+            body.extend_from_slice(&data.unwrap());
+        }
+        assert_eq!(body, b"ok");
+        // Read to its end, the response frees the connection.
+        pool.put_back(reader.take_reusable().expect("reusable"));
         assert_eq!(pool.idle_count(), 1);
         assert!(
             pool.take_idle().is_some(),
@@ -294,9 +253,9 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_reaped_after_two_rounds() {
         let (addr, _server) = upstream().await;
-        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
-        let sender = pool.connect().await.unwrap();
-        pool.put_back(sender);
+        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let connection = pool.connect().await.unwrap();
+        pool.put_back(connection);
         pool.reap_round();
         assert_eq!(pool.idle_count(), 1, "idle for less than a round");
         pool.reap_round();
@@ -313,14 +272,14 @@ mod tests {
                 drop(stream);
             }
         });
-        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
-        let sender = pool.connect().await.unwrap();
-        pool.put_back(sender);
-        // The connection's task sees the close a moment later; from then on it is dropped
-        // instead of lent.
+        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let connection = pool.connect().await.unwrap();
+        pool.put_back(connection);
+        // The runtime learns of the close a moment later; from then on the connection is
+        // dropped instead of lent.
         for _ in 0..200 {
-            if let Some(sender) = pool.take_idle() {
-                pool.put_back(sender);
+            if let Some(connection) = pool.take_idle() {
+                pool.put_back(connection);
             }
             if pool.idle_count() == 0 {
                 break;
@@ -340,7 +299,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let pool = TestPool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1));
         let error = pool.connect().await.expect_err("nothing listens there");
         assert!(matches!(error, ConnectError::Connect { .. }), "{error:?}");
     }

@@ -27,7 +27,7 @@ use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::{ClientAddr, Forwarder};
 use super::metrics::{InstrumentedStore, Metrics};
 use crate::IdempotencyLayer;
-use crate::body::{RequestBody, ResponseBody};
+use crate::body::ResponseBody;
 use crate::policy::{OnStoreError, RoutePolicy};
 use crate::response::{Outcome, Problem};
 use crate::store::{Store, StoreError};
@@ -172,7 +172,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         layer = layer.route(route.prefix.clone(), route.policy.clone());
     }
     let stats = layer.stats();
-    let forwarder = Forwarder::<RequestBody<Incoming>>::new(
+    let forwarder = Forwarder::new(
         settings.upstream.clone(),
         settings.upstream_timeout,
         settings.upstream_connect_timeout,
@@ -272,6 +272,8 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunEr
 
 /// How far above the configured header limits hyper's own are set (see [`Front`]).
 const HYPER_LIMITS_FACTOR: usize = 2;
+/// The header fields hyper accepts when no limit is set.
+const HYPER_DEFAULT_MAX_HEADERS: usize = 100;
 
 fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -283,9 +285,16 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         .header_read_timeout(limits.header_read_timeout)
         // hyper's own limits sit above the configured ones, which the front service checks
         // and answers with a problem response; only a request past hyper's gets its bare 431.
-        .max_headers(limits.max_headers.saturating_mul(HYPER_LIMITS_FACTOR))
         .max_buf_size(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
         .keep_alive(true);
+    // hyper parses a head into room for its default number of fields on the stack; any limit
+    // set explicitly costs a fill (and past that number an allocation) per request, so one
+    // is set only when the configured limit needs more room.
+    if limits.max_headers >= HYPER_DEFAULT_MAX_HEADERS {
+        builder
+            .http1()
+            .max_headers(limits.max_headers.saturating_mul(HYPER_LIMITS_FACTOR));
+    }
     builder
         .http2()
         .timer(TokioTimer::new())

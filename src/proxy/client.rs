@@ -1,0 +1,1108 @@
+//! The HTTP/1.1 client side of an upstream connection, driven by the task of the request that
+//! uses it: no task per connection and no channel between a request and its connection.
+//!
+//! [`Connection::send`] writes a request (head and body) and reads the response head;
+//! [`BodyReader`] then reads the response body from the same connection and, once the body
+//! has been read to its end, hands the connection back for the next request if the response
+//! allows it.
+//!
+//! Parsing is strict: anything this module does not understand for certain (a malformed head
+//! or chunk, conflicting lengths, more than [`MAX_HEADERS`] fields, a head over
+//! [`MAX_HEAD_BYTES`]) is an error, and the connection is closed rather than reused. Interim
+//! `1xx` responses are skipped. Chunked trailers are read and dropped.
+
+use std::future::poll_fn;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, HeaderName, HeaderValue, TRANSFER_ENCODING};
+use http::{HeaderMap, Method, StatusCode, Version, request};
+use http_body::Body;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Most header fields in a response head.
+pub const MAX_HEADERS: usize = 128;
+/// Largest response head (status line and fields).
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Room made in the read buffer before each read.
+const READ_CHUNK: usize = 8 * 1024;
+/// Request bodies up to this size are written in one piece with the head.
+const COALESCE_BODY: usize = 16 * 1024;
+/// Longest chunk-size line (size, extensions and CRLF) accepted.
+const MAX_CHUNK_LINE: usize = 4 * 1024;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What went wrong on an upstream connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Reading or writing the socket failed.
+    #[error("upstream connection failed")]
+    Io(#[from] io::Error),
+    /// The upstream closed the connection before the response was complete.
+    #[error("the upstream closed the connection before the response was complete")]
+    Closed,
+    /// The upstream's response was not HTTP/1.1 this client accepts.
+    #[error("malformed upstream response: {0}")]
+    Malformed(&'static str),
+    /// The request body could not be read.
+    #[error("the request body failed")]
+    RequestBody(#[source] BoxError),
+}
+
+/// Why [`Connection::send`] gave no response head.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// The connection failed before any of the request was written to it; the request may
+    /// go on another connection.
+    #[error("the upstream connection was closed before the request was written")]
+    Unused(#[source] io::Error),
+    /// The request body failed before any of the request was written.
+    #[error("the request body failed before it was sent")]
+    BodyBeforeSent(#[source] BoxError),
+    /// The request was (or may have been) written, and no usable response head came.
+    #[error("the upstream gave no response")]
+    NoResponse(#[source] ClientError),
+}
+
+/// A response head as read, with what the client needs to read its body.
+#[derive(Debug)]
+pub struct ResponseHead {
+    /// Status.
+    pub status: StatusCode,
+    /// Version the upstream spoke.
+    pub version: Version,
+    /// Fields, in order.
+    pub headers: HeaderMap,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+/// How a response body is delimited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framing {
+    /// No body (`HEAD`, `204`, `304`).
+    Empty,
+    /// `Content-Length`.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Until the upstream closes the connection.
+    UntilClose,
+}
+
+/// One keep-alive HTTP/1.1 connection to the upstream.
+#[derive(Debug)]
+pub struct Connection {
+    io: TcpStream,
+    /// Bytes read and not yet used: the rest of a head or a body.
+    read: BytesMut,
+    /// Where each field of the head being parsed lies (kept to save an allocation per head).
+    spans: Vec<(HeaderName, usize, usize)>,
+}
+
+impl Connection {
+    /// Wraps a connected socket.
+    pub fn new(io: TcpStream) -> Self {
+        Self {
+            io,
+            read: BytesMut::new(),
+            spans: Vec::new(),
+        }
+    }
+
+    /// Whether an idle connection can take a request: the upstream has not closed it nor
+    /// sent anything unasked. Answered from the runtime's readiness state; a syscall is made
+    /// only if the socket turned readable while idle.
+    pub fn is_usable(&self) -> bool {
+        if !self.read.is_empty() {
+            return false;
+        }
+        let mut noop = Context::from_waker(std::task::Waker::noop());
+        match self.io.poll_read_ready(&mut noop) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            // Readable while idle: closed (0 bytes), or bytes nobody asked for. Or a stale
+            // readiness left by the last read, which a read that would block clears.
+            Poll::Ready(Ok(())) => {
+                let mut probe = [0u8; 1];
+                matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+            }
+        }
+    }
+
+    /// Writes `head` and `body` and reads the response head. `first` carries a body frame
+    /// taken from `body` by an attempt whose connection failed before anything was written:
+    /// it is sent first, and left in place if this attempt fails the same way.
+    pub async fn send<B>(
+        &mut self,
+        head: &request::Parts,
+        body: &mut B,
+        first: &mut Option<Bytes>,
+    ) -> Result<ResponseHead, SendError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let length = request_length(head, body, first.as_ref());
+        // A small first frame goes out with the head: one write for the common request.
+        let mut ended = false;
+        if first.is_none() {
+            match next_data_now(body).map_err(SendError::BodyBeforeSent)? {
+                Ready::Data(data) => *first = Some(data),
+                Ready::End => ended = true,
+                Ready::NotYet => {}
+            }
+        }
+        let mut out = Vec::with_capacity(256);
+        encode_head(head, length, &mut out);
+        let mut written_body = 0u64;
+        let coalesced = first.as_ref().is_some_and(|b| b.len() <= COALESCE_BODY);
+        if coalesced && let Some(data) = first.as_ref() {
+            encode_data(data, length, &mut out);
+            written_body = data.len() as u64;
+        }
+        if let Err(error) = self.io.write_all(&out).await {
+            // `write_all` fails on its first write only if nothing went out.
+            return Err(SendError::Unused(error));
+        }
+        if coalesced {
+            *first = None;
+        }
+        if let Err(error) = self
+            .write_rest(body, first.take(), ended, length, written_body)
+            .await
+        {
+            // The upstream may have answered early and closed (a `413` before the whole body,
+            // say): its answer stands, on a connection that is not used again.
+            if matches!(error, ClientError::Io(_))
+                && let Ok(mut early) = self.read_head(&head.method).await
+            {
+                early.keep_alive = false;
+                return Ok(early);
+            }
+            return Err(SendError::NoResponse(error));
+        }
+        self.read_head(&head.method)
+            .await
+            .map_err(SendError::NoResponse)
+    }
+
+    /// Writes the body after the head: `pending` first, then every frame `body` has left.
+    async fn write_rest<B>(
+        &mut self,
+        body: &mut B,
+        mut pending: Option<Bytes>,
+        mut ended: bool,
+        length: BodyLength,
+        mut written: u64,
+    ) -> Result<(), ClientError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let mut chunk_head = Vec::with_capacity(20);
+        loop {
+            let data = match pending.take() {
+                Some(data) => data,
+                None if ended => break,
+                None => match next_data(body).await {
+                    Ok(Some(data)) => data,
+                    Ok(None) => {
+                        ended = true;
+                        continue;
+                    }
+                    Err(error) => return Err(ClientError::RequestBody(error)),
+                },
+            };
+            if data.is_empty() {
+                continue;
+            }
+            written += data.len() as u64;
+            if let BodyLength::Exact(n) = length
+                && written > n
+            {
+                return Err(ClientError::RequestBody(
+                    "the request body is longer than its declared length".into(),
+                ));
+            }
+            if length == BodyLength::Chunked {
+                chunk_head.clear();
+                chunk_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                self.io.write_all(&chunk_head).await?;
+                self.io.write_all(&data).await?;
+                self.io.write_all(b"\r\n").await?;
+            } else {
+                self.io.write_all(&data).await?;
+            }
+        }
+        match length {
+            BodyLength::Chunked => self.io.write_all(b"0\r\n\r\n").await?,
+            BodyLength::Exact(n) if written != n => {
+                return Err(ClientError::RequestBody(
+                    "the request body is shorter than its declared length".into(),
+                ));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Reads until a final (non-`1xx`) response head is complete, and parses it.
+    async fn read_head(&mut self, method: &Method) -> Result<ResponseHead, ClientError> {
+        loop {
+            if let Some(head) = parse_head(&mut self.read, &mut self.spans, method)? {
+                if head.status.is_informational() {
+                    if head.status == StatusCode::SWITCHING_PROTOCOLS {
+                        return Err(ClientError::Malformed("an unrequested protocol switch"));
+                    }
+                    continue;
+                }
+                return Ok(head);
+            }
+            if self.read.len() > MAX_HEAD_BYTES {
+                return Err(ClientError::Malformed("response head too large"));
+            }
+            self.read.reserve(READ_CHUNK);
+            if self.io.read_buf(&mut self.read).await? == 0 {
+                return Err(ClientError::Closed);
+            }
+        }
+    }
+
+    /// Up to `left` bytes of body (reading more if none are buffered), taken off `left`.
+    fn poll_take(
+        &mut self,
+        cx: &mut Context<'_>,
+        left: &mut u64,
+    ) -> Poll<Result<Bytes, ClientError>> {
+        if self.read.is_empty() {
+            ready!(self.poll_fill(cx))?;
+        }
+        let n = (*left).min(self.read.len() as u64) as usize;
+        *left -= n as u64;
+        Poll::Ready(Ok(self.read.split_to(n).freeze()))
+    }
+
+    /// Reads what the socket has into the buffer; the upstream closing is [`ClientError::Closed`].
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ClientError>> {
+        self.read.reserve(READ_CHUNK);
+        let n = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.read
+        ))?;
+        if n == 0 {
+            return Poll::Ready(Err(ClientError::Closed));
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// How the request body is framed on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BodyLength {
+    /// No body and no length field (a `GET` without one).
+    None,
+    /// `Content-Length`.
+    Exact(u64),
+    /// `Transfer-Encoding: chunked`: the length is not known up front.
+    Chunked,
+}
+
+fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes>) -> BodyLength {
+    let taken = first.map_or(0, |b| b.len() as u64);
+    match body.size_hint().exact() {
+        Some(0) if taken == 0 => {
+            // Methods that define a body say it is empty; the others send no length.
+            if matches!(head.method, Method::POST | Method::PUT | Method::PATCH) {
+                BodyLength::Exact(0)
+            } else {
+                BodyLength::None
+            }
+        }
+        Some(n) => BodyLength::Exact(n + taken),
+        None => BodyLength::Chunked,
+    }
+}
+
+/// The request line and fields, with the framing field for `length`. The request's own
+/// `Content-Length` and `Transfer-Encoding` are replaced by it.
+fn encode_head(head: &request::Parts, length: BodyLength, out: &mut Vec<u8>) {
+    out.extend_from_slice(head.method.as_str().as_bytes());
+    out.push(b' ');
+    let target = head.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &head.headers {
+        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match length {
+        BodyLength::None => {}
+        BodyLength::Exact(n) => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(n.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        BodyLength::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// One body frame's data as it goes on the wire.
+fn encode_data(data: &[u8], length: BodyLength, out: &mut Vec<u8>) {
+    if length == BodyLength::Chunked {
+        out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        out.extend_from_slice(data);
+        out.extend_from_slice(b"\r\n");
+    } else {
+        out.extend_from_slice(data);
+    }
+}
+
+/// What a body has without waiting.
+enum Ready {
+    Data(Bytes),
+    End,
+    NotYet,
+}
+
+/// The body's next data frame if it is there without waiting (trailers are skipped).
+fn next_data_now<B>(body: &mut B) -> Result<Ready, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    if body.is_end_stream() {
+        return Ok(Ready::End);
+    }
+    let mut noop = Context::from_waker(std::task::Waker::noop());
+    loop {
+        match Pin::new(&mut *body).poll_frame(&mut noop) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => return Ok(Ready::Data(data)),
+                Err(_trailers) => continue,
+            },
+            Poll::Ready(Some(Err(error))) => return Err(error.into()),
+            Poll::Ready(None) => return Ok(Ready::End),
+            Poll::Pending => return Ok(Ready::NotYet),
+        }
+    }
+}
+
+/// The body's next data frame (trailers are skipped), or `None` at its end.
+async fn next_data<B>(body: &mut B) -> Result<Option<Bytes>, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    poll_fn(|cx| {
+        loop {
+            match ready!(Pin::new(&mut *body).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => return Poll::Ready(Ok(Some(data))),
+                    Err(_trailers) => continue,
+                },
+                Some(Err(error)) => return Poll::Ready(Err(error.into())),
+                None => return Poll::Ready(Ok(None)),
+            }
+        }
+    })
+    .await
+}
+
+/// Parses a complete response head off the front of `buf`, or `None` if more is needed.
+fn parse_head(
+    buf: &mut BytesMut,
+    spans: &mut Vec<(HeaderName, usize, usize)>,
+    method: &Method,
+) -> Result<Option<ResponseHead>, ClientError> {
+    // Left uninitialised: httparse fills only as many as the head has.
+    let mut fields =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut response,
+        buf,
+        &mut fields,
+    );
+    let len = match parsed {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(ClientError::Malformed("too many header fields"));
+        }
+        Err(_) => return Err(ClientError::Malformed("not an HTTP/1.x response head")),
+    };
+    let status = response
+        .code
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .ok_or(ClientError::Malformed("bad status code"))?;
+    let version = match response.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    // Where each field lies in the head, so the values can share its bytes.
+    let base = buf.as_ptr() as usize;
+    spans.clear();
+    for field in response.headers.iter() {
+        let name = HeaderName::from_bytes(field.name.as_bytes())
+            .map_err(|_| ClientError::Malformed("bad header name"))?;
+        let start = field.value.as_ptr() as usize - base;
+        spans.push((name, start, start + field.value.len()));
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    for (name, start, end) in spans.drain(..) {
+        let value = HeaderValue::from_maybe_shared(head.slice(start..end))
+            .map_err(|_| ClientError::Malformed("bad header value"))?;
+        headers.append(name, value);
+    }
+    let framing = framing(&headers, status, method)?;
+    // A response with both length fields is suspect (RFC 9112 §6.3): read it by its
+    // chunks, then close.
+    let both_lengths =
+        headers.contains_key(TRANSFER_ENCODING) && headers.contains_key(CONTENT_LENGTH);
+    let keep_alive = version == Version::HTTP_11
+        && framing != Framing::UntilClose
+        && !both_lengths
+        && !has_token(&headers, &CONNECTION, "close");
+    Ok(Some(ResponseHead {
+        status,
+        version,
+        headers,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// How the body of a response to `method` with `status` and `headers` is delimited
+/// (RFC 9112 §6.3).
+fn framing(
+    headers: &HeaderMap,
+    status: StatusCode,
+    method: &Method,
+) -> Result<Framing, ClientError> {
+    if method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok(Framing::Empty);
+    }
+    if headers.contains_key(TRANSFER_ENCODING) {
+        let mut last = None;
+        for value in headers.get_all(TRANSFER_ENCODING) {
+            let value = value
+                .to_str()
+                .map_err(|_| ClientError::Malformed("bad Transfer-Encoding"))?;
+            for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+                last = Some(coding);
+            }
+        }
+        return Ok(match last {
+            Some(coding) if coding.eq_ignore_ascii_case("chunked") => Framing::Chunked,
+            // Another final coding: the body runs to the end of the connection.
+            _ => Framing::UntilClose,
+        });
+    }
+    let mut length = None;
+    for value in headers.get_all(CONTENT_LENGTH) {
+        for part in value.as_bytes().split(|&b| b == b',') {
+            let part = part.trim_ascii();
+            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+                return Err(ClientError::Malformed("bad Content-Length"));
+            }
+            let n: u64 = std::str::from_utf8(part)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or(ClientError::Malformed("bad Content-Length"))?;
+            if length.is_some_and(|seen| seen != n) {
+                return Err(ClientError::Malformed("conflicting Content-Length"));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(0) => Framing::Empty,
+        Some(n) => Framing::Length(n),
+        None => Framing::UntilClose,
+    })
+}
+
+/// Whether a comma-separated field carries `token` (case-insensitive).
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// Reads a response body off its connection.
+#[derive(Debug)]
+pub struct BodyReader {
+    connection: Option<Connection>,
+    state: BodyState,
+    keep_alive: bool,
+}
+
+#[derive(Debug)]
+enum BodyState {
+    /// So many bytes left (`Content-Length`).
+    Length(u64),
+    /// Before a chunk-size line.
+    ChunkSize,
+    /// Inside a chunk: so many bytes left, then its CRLF.
+    ChunkData(u64),
+    /// The CRLF after a chunk's data.
+    ChunkEnd,
+    /// Trailer fields after the last chunk, up to an empty line.
+    Trailers,
+    /// Until the connection closes.
+    UntilClose,
+    /// Read to its end.
+    Done,
+}
+
+impl BodyReader {
+    /// A reader for the body of `head`, which was read from `connection`.
+    pub fn new(head: &ResponseHead, connection: Connection) -> Self {
+        let state = match head.framing {
+            Framing::Empty => BodyState::Done,
+            Framing::Length(n) => BodyState::Length(n),
+            Framing::Chunked => BodyState::ChunkSize,
+            Framing::UntilClose => BodyState::UntilClose,
+        };
+        Self {
+            connection: Some(connection),
+            state,
+            keep_alive: head.keep_alive,
+        }
+    }
+
+    /// Whether the body has been read to its end.
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, BodyState::Done)
+    }
+
+    /// Bytes of body left, when known.
+    pub fn remaining(&self) -> Option<u64> {
+        match self.state {
+            BodyState::Length(n) => Some(n),
+            BodyState::Done => Some(0),
+            _ => None,
+        }
+    }
+
+    /// The connection, once the body has been read to its end, if it can take another
+    /// request. Taken once.
+    pub fn take_reusable(&mut self) -> Option<Connection> {
+        if !self.is_done() || !self.keep_alive {
+            return None;
+        }
+        self.connection
+            .take()
+            // Bytes after the response that nobody asked for: the connection is out of step.
+            .filter(|connection| connection.read.is_empty())
+    }
+
+    /// The next piece of the body, `None` at its end.
+    pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
+        let result = self.poll_step(cx);
+        if let Poll::Ready(Some(Err(_))) = &result {
+            // A broken body leaves its connection unusable.
+            self.connection = None;
+            self.state = BodyState::Done;
+            self.keep_alive = false;
+        }
+        result
+    }
+
+    fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
+        let Some(connection) = self.connection.as_mut() else {
+            return Poll::Ready(None);
+        };
+        loop {
+            match &mut self.state {
+                BodyState::Done => return Poll::Ready(None),
+                BodyState::Length(left) => {
+                    let data = ready!(connection.poll_take(cx, left));
+                    if *left == 0 {
+                        self.state = BodyState::Done;
+                    }
+                    return Poll::Ready(Some(data));
+                }
+                BodyState::UntilClose => {
+                    if connection.read.is_empty() {
+                        match ready!(connection.poll_fill(cx)) {
+                            Ok(()) => {}
+                            Err(ClientError::Closed) => {
+                                self.state = BodyState::Done;
+                                self.keep_alive = false;
+                                return Poll::Ready(None);
+                            }
+                            Err(error) => return Poll::Ready(Some(Err(error))),
+                        }
+                    }
+                    let all = connection.read.len();
+                    return Poll::Ready(Some(Ok(connection.read.split_to(all).freeze())));
+                }
+                BodyState::ChunkSize => match chunk_size(&mut connection.read) {
+                    Ok(Some(0)) => self.state = BodyState::Trailers,
+                    Ok(Some(n)) => self.state = BodyState::ChunkData(n),
+                    Ok(None) => {
+                        if let Err(error) = ready!(connection.poll_fill(cx)) {
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                    }
+                    Err(error) => return Poll::Ready(Some(Err(error))),
+                },
+                BodyState::ChunkData(left) => {
+                    let data = ready!(connection.poll_take(cx, left));
+                    if *left == 0 {
+                        self.state = BodyState::ChunkEnd;
+                    }
+                    return Poll::Ready(Some(data));
+                }
+                BodyState::ChunkEnd => {
+                    if connection.read.len() < 2 {
+                        if let Err(error) = ready!(connection.poll_fill(cx)) {
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                        continue;
+                    }
+                    if &connection.read[..2] != b"\r\n" {
+                        return Poll::Ready(Some(Err(ClientError::Malformed(
+                            "a chunk without its CRLF",
+                        ))));
+                    }
+                    connection.read.advance(2);
+                    self.state = BodyState::ChunkSize;
+                }
+                BodyState::Trailers => match trailer_line(&mut connection.read) {
+                    Ok(Some(true)) => self.state = BodyState::Done,
+                    Ok(Some(false)) => {}
+                    Ok(None) => {
+                        if let Err(error) = ready!(connection.poll_fill(cx)) {
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                    }
+                    Err(error) => return Poll::Ready(Some(Err(error))),
+                },
+            }
+        }
+    }
+}
+
+/// Takes a chunk-size line (`HEX[;extensions]CRLF`) off `buf`: the size, or `None` if the
+/// line is not complete yet.
+fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
+    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        if buf.len() > MAX_CHUNK_LINE {
+            return Err(ClientError::Malformed("chunk-size line too long"));
+        }
+        return Ok(None);
+    };
+    if end > MAX_CHUNK_LINE {
+        return Err(ClientError::Malformed("chunk-size line too long"));
+    }
+    let line = &buf[..end];
+    let digits = line
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    if digits.is_empty() || digits.len() > 15 || !digits.iter().all(u8::is_ascii_hexdigit) {
+        return Err(ClientError::Malformed("bad chunk size"));
+    }
+    let size = std::str::from_utf8(digits)
+        .ok()
+        .and_then(|s| u64::from_str_radix(s, 16).ok())
+        .ok_or(ClientError::Malformed("bad chunk size"))?;
+    buf.advance(end + 2);
+    Ok(Some(size))
+}
+
+/// Takes one trailer line off `buf`: `true` for the empty line that ends the message,
+/// `false` for a field (dropped), `None` if the line is not complete yet.
+fn trailer_line(buf: &mut BytesMut) -> Result<Option<bool>, ClientError> {
+    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        if buf.len() > MAX_HEAD_BYTES {
+            return Err(ClientError::Malformed("trailer too large"));
+        }
+        return Ok(None);
+    };
+    buf.advance(end + 2);
+    Ok(Some(end == 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use http_body_util::{Empty, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// How a scripted upstream writes its answer.
+    #[derive(Clone, Copy)]
+    enum Pace {
+        Whole,
+        ByteByByte,
+    }
+
+    /// An upstream on 127.0.0.1 that answers each request on one connection with the next of
+    /// `answers` (written as `pace` says), then closes. Returns what it was sent.
+    async fn scripted(
+        answers: Vec<&'static [u8]>,
+        pace: Pace,
+    ) -> (SocketAddr, tokio::task::JoinHandle<Vec<u8>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut received = Vec::new();
+            for answer in answers {
+                // A request is in when the client goes quiet for a moment.
+                let mut buf = [0u8; 4096];
+                loop {
+                    match tokio::time::timeout(Duration::from_millis(100), stream.read(&mut buf))
+                        .await
+                    {
+                        Ok(Ok(0)) => return received,
+                        Ok(Ok(n)) => received.extend_from_slice(&buf[..n]),
+                        Ok(Err(_)) => return received,
+                        Err(_) => break,
+                    }
+                }
+                match pace {
+                    Pace::Whole => stream.write_all(answer).await.unwrap(),
+                    Pace::ByteByByte => {
+                        for byte in answer {
+                            stream.write_all(&[*byte]).await.unwrap();
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                }
+            }
+            received
+        });
+        (addr, server)
+    }
+
+    async fn connect(addr: SocketAddr) -> Connection {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        Connection::new(stream)
+    }
+
+    fn head(method: Method, target: &str) -> request::Parts {
+        http::Request::builder()
+            .method(method)
+            .uri(target)
+            .header("host", "upstream.test")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    async fn read_all(reader: &mut BodyReader) -> Result<Vec<u8>, ClientError> {
+        let mut out = Vec::new();
+        while let Some(data) = poll_fn(|cx| reader.poll_data(cx)).await {
+            out.extend_from_slice(&data?);
+        }
+        Ok(out)
+    }
+
+    async fn get(connection: &mut Connection, method: Method) -> Result<ResponseHead, SendError> {
+        connection
+            .send(&head(method, "/x"), &mut Empty::<Bytes>::new(), &mut None)
+            .await
+    }
+
+    /// One request with `method` to an upstream that answers `answer`: the response's body
+    /// reader, or why there was none.
+    async fn exchange(answer: &'static [u8], method: Method) -> Result<BodyReader, SendError> {
+        let (addr, _server) = scripted(vec![answer], Pace::Whole).await;
+        let mut connection = connect(addr).await;
+        let response = get(&mut connection, method).await?;
+        Ok(BodyReader::new(&response, connection))
+    }
+
+    #[tokio::test]
+    async fn a_keep_alive_connection_serves_one_response_after_another() {
+        let (addr, server) = scripted(
+            vec![
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\nx-a: 2\r\n\r\nhello",
+                b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+            ],
+            Pace::Whole,
+        )
+        .await;
+        let mut connection = connect(addr).await;
+        let first = get(&mut connection, Method::GET).await.unwrap();
+        assert_eq!(first.status, StatusCode::OK);
+        let values: Vec<_> = first.headers.get_all("x-a").iter().collect();
+        assert_eq!(values, ["1", "2"], "repeated fields keep their order");
+        let mut reader = BodyReader::new(&first, connection);
+        assert_eq!(reader.remaining(), Some(5));
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
+        let mut connection = reader.take_reusable().expect("read to its end: reusable");
+        assert!(connection.is_usable());
+        let second = get(&mut connection, Method::GET).await.unwrap();
+        assert_eq!(second.status, StatusCode::CREATED);
+        let mut reader = BodyReader::new(&second, connection);
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
+        drop(reader);
+        let sent = String::from_utf8(server.await.unwrap()).unwrap();
+        assert_eq!(sent.matches("GET /x HTTP/1.1\r\n").count(), 2, "{sent}");
+        assert!(
+            !sent.contains("content-length"),
+            "a GET without a body: {sent}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_arriving_byte_by_byte_is_reassembled() {
+        let (addr, _server) = scripted(
+            vec![
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\n",
+            ],
+            Pace::ByteByByte,
+        )
+        .await;
+        let mut connection = connect(addr).await;
+        let response = get(&mut connection, Method::GET).await.unwrap();
+        assert_eq!(
+            response.status,
+            StatusCode::OK,
+            "the interim 100 is skipped"
+        );
+        let mut reader = BodyReader::new(&response, connection);
+        assert_eq!(reader.remaining(), None);
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"hello world");
+        assert!(
+            reader.take_reusable().is_some(),
+            "trailers read, message complete"
+        );
+    }
+
+    #[tokio::test]
+    async fn responses_without_a_body_end_at_their_head() {
+        for (method, answer) in [
+            (
+                Method::HEAD,
+                &b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n"[..],
+            ),
+            (Method::POST, &b"HTTP/1.1 204 No Content\r\n\r\n"[..]),
+            (
+                Method::GET,
+                &b"HTTP/1.1 304 Not Modified\r\nContent-Length: 3\r\n\r\n"[..],
+            ),
+        ] {
+            let mut reader = exchange(answer, method.clone()).await.unwrap();
+            assert!(reader.is_done(), "{method}");
+            assert!(reader.take_reusable().is_some(), "{method}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_delimited_by_close_is_read_to_the_end_and_not_reused() {
+        for answer in [
+            &b"HTTP/1.1 200 OK\r\n\r\nall of it"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nall of it"[..],
+        ] {
+            let mut reader = exchange(answer, Method::GET).await.unwrap();
+            assert_eq!(read_all(&mut reader).await.unwrap(), b"all of it");
+            assert!(reader.take_reusable().is_none());
+        }
+    }
+
+    #[tokio::test]
+    async fn responses_that_forbid_reuse_are_not_reused() {
+        for answer in [
+            &b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"[..],
+            &b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"[..],
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n2\r\nok\r\n0\r\n\r\n"[..],
+        ] {
+            let mut reader = exchange(answer, Method::GET).await.unwrap();
+            assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
+            assert!(
+                reader.take_reusable().is_none(),
+                "{}",
+                String::from_utf8_lossy(answer)
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn malformed_heads_are_errors() {
+        let many = {
+            let mut head = b"HTTP/1.1 200 OK\r\n".to_vec();
+            for i in 0..=MAX_HEADERS {
+                head.extend_from_slice(format!("x-{i}: 1\r\n").as_bytes());
+            }
+            head.extend_from_slice(b"\r\n");
+            Box::leak(head.into_boxed_slice()) as &'static [u8]
+        };
+        let huge = {
+            let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
+            head.resize(MAX_HEAD_BYTES + 10_000, b'a');
+            Box::leak(head.into_boxed_slice()) as &'static [u8]
+        };
+        for answer in [
+            &b"NOT HTTP AT ALL\r\n\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"[..],
+            &b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"[..],
+            &b"HTTP/1.1 101 Switching Protocols\r\n\r\n"[..],
+            many,
+            huge,
+        ] {
+            let error = exchange(answer, Method::GET).await.unwrap_err();
+            assert!(
+                matches!(error, SendError::NoResponse(ClientError::Malformed(_))),
+                "{error:?} for {}",
+                String::from_utf8_lossy(&answer[..answer.len().min(60)])
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn broken_bodies_are_errors_and_close_the_connection() {
+        for answer in [
+            // Closed three bytes into ten.
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY"[..],
+        ] {
+            let mut reader = exchange(answer, Method::GET).await.unwrap();
+            assert!(read_all(&mut reader).await.is_err());
+            assert!(reader.take_reusable().is_none());
+        }
+    }
+
+    #[tokio::test]
+    async fn no_answer_at_all_is_an_error_after_sending() {
+        let error = exchange(b"", Method::POST).await.unwrap_err();
+        assert!(
+            matches!(error, SendError::NoResponse(ClientError::Closed)),
+            "{error:?}"
+        );
+    }
+
+    /// A body of frames with no length known up front.
+    struct Frames(VecDeque<Bytes>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+        }
+    }
+
+    #[tokio::test]
+    async fn request_bodies_go_with_their_length_or_chunked() {
+        let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        let (addr, server) = scripted(vec![ok, ok], Pace::Whole).await;
+        let mut connection = connect(addr).await;
+        let mut post = head(Method::POST, "/pay?x=1");
+        // The client's own length field is replaced by the body's.
+        post.headers
+            .insert(CONTENT_LENGTH, HeaderValue::from_static("999"));
+        let mut full = Full::new(Bytes::from_static(b"{\"a\":1}"));
+        connection.send(&post, &mut full, &mut None).await.unwrap();
+        let mut frames = Frames(VecDeque::from([
+            Bytes::from_static(b"abc"),
+            Bytes::from_static(b"defgh"),
+        ]));
+        connection
+            .send(&head(Method::POST, "/stream"), &mut frames, &mut None)
+            .await
+            .unwrap();
+        drop(connection);
+        let sent = String::from_utf8(server.await.unwrap()).unwrap();
+        assert!(
+            sent.starts_with("POST /pay?x=1 HTTP/1.1\r\nhost: upstream.test\r\ncontent-length: 7\r\n\r\n{\"a\":1}"),
+            "{sent}"
+        );
+        assert!(!sent.contains("999"), "{sent}");
+        assert!(
+            sent.ends_with("POST /stream HTTP/1.1\r\nhost: upstream.test\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n5\r\ndefgh\r\n0\r\n\r\n"),
+            "{sent}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_longer_than_its_length_is_refused() {
+        let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        let (addr, _server) = scripted(vec![ok], Pace::Whole).await;
+        let mut connection = connect(addr).await;
+        /// Says 2 bytes, gives 5.
+        struct Liar(bool);
+        impl Body for Liar {
+            type Data = Bytes;
+            type Error = std::convert::Infallible;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+                let first = std::mem::replace(&mut self.0, false);
+                Poll::Ready(first.then(|| Ok(http_body::Frame::data(Bytes::from_static(b"12345")))))
+            }
+            fn size_hint(&self) -> http_body::SizeHint {
+                http_body::SizeHint::with_exact(2)
+            }
+        }
+        let error = connection
+            .send(&head(Method::PUT, "/"), &mut Liar(true), &mut None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, SendError::NoResponse(ClientError::RequestBody(_))),
+            "{error:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_upstream_closed_is_not_usable() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            drop(stream);
+        });
+        let connection = connect(addr).await;
+        let mut closed = false;
+        for _ in 0..200 {
+            // The runtime learns of the close from its next look at the sockets.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if !connection.is_usable() {
+                closed = true;
+                break;
+            }
+        }
+        assert!(closed, "a closed connection still looks usable after 2 s");
+    }
+}

@@ -121,22 +121,20 @@ impl Connection {
         if !self.read.is_empty() {
             return false;
         }
-        let mut noop = Context::from_waker(std::task::Waker::noop());
-        match self.io.poll_read_ready(&mut noop) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            // Readable while idle: closed (0 bytes), or bytes nobody asked for. Or a stale
-            // readiness left by the last read, which a read that would block clears.
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-            }
-        }
+        // `try_read` looks at the runtime's readiness first: on a socket not known to be
+        // readable it makes no syscall. Readable while idle means closed (0 bytes) or bytes
+        // nobody asked for; a stale readiness left by the last read gives `WouldBlock`.
+        let mut probe = [0u8; 1];
+        matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 
     /// Writes `head` and `body` and reads the response head. `first` carries a body frame
     /// taken from `body` by an attempt whose connection failed before anything was written:
     /// it is sent first, and left in place if this attempt fails the same way.
+    ///
+    /// A body that does not go out with the head is written while the response is awaited:
+    /// an upstream may answer before it has read the whole body (a `413`, or a response it
+    /// streams as it reads). Such an early answer stands, on a connection not used again.
     pub async fn send<B>(
         &mut self,
         head: &request::Parts,
@@ -152,124 +150,70 @@ impl Connection {
         let mut ended = false;
         if first.is_none() {
             match next_data_now(body).map_err(SendError::BodyBeforeSent)? {
-                Ready::Data(data) => *first = Some(data),
+                Ready::Data(data) => {
+                    *first = Some(data);
+                    ended = body.is_end_stream();
+                }
                 Ready::End => ended = true,
                 Ready::NotYet => {}
             }
         }
+        let taken = first.as_ref().map_or(0, |data| data.len() as u64);
+        if taken > length.most() {
+            return Err(SendError::BodyBeforeSent(LONGER_THAN_DECLARED.into()));
+        }
         let mut out = Vec::with_capacity(256);
         encode_head(head, length, &mut out);
-        let mut written_body = 0u64;
         let coalesced = first.as_ref().is_some_and(|b| b.len() <= COALESCE_BODY);
         if coalesced && let Some(data) = first.as_ref() {
             encode_data(data, length, &mut out);
-            written_body = data.len() as u64;
         }
         if let Err(error) = self.io.write_all(&out).await {
-            // `write_all` fails on its first write only if nothing went out.
+            // `out` did not all go out: the upstream has at most part of the head and of the
+            // first frame, not a request it could act on.
             return Err(SendError::Unused(error));
         }
-        if coalesced {
-            *first = None;
+        // From here on the request is the upstream's: nothing of it can be sent again.
+        let (written, pending) = if coalesced {
+            (taken, first.take().and(None))
+        } else {
+            (0, first.take())
+        };
+        if ended && pending.is_none() && length != BodyLength::Chunked {
+            // The whole request is out: only the answer is left.
+            return read_head(&mut self.io, &mut self.read, &mut self.spans, &head.method)
+                .await
+                .map_err(SendError::NoResponse);
         }
-        if let Err(error) = self
-            .write_rest(body, first.take(), ended, length, written_body)
-            .await
-        {
-            // The upstream may have answered early and closed (a `413` before the whole body,
-            // say): its answer stands, on a connection that is not used again.
-            if matches!(error, ClientError::Io(_))
-                && let Ok(mut early) = self.read_head(&head.method).await
+        let (mut reader, mut writer) = self.io.split();
+        let write = write_body(&mut writer, body, pending, ended, length, written);
+        let read = read_head(&mut reader, &mut self.read, &mut self.spans, &head.method);
+        let (mut write, mut read) = (std::pin::pin!(write), std::pin::pin!(read));
+        let mut written_all = None;
+        let answer = poll_fn(|cx| {
+            if written_all.is_none()
+                && let Poll::Ready(result) = write.as_mut().poll(cx)
             {
-                early.keep_alive = false;
-                return Ok(early);
-            }
-            return Err(SendError::NoResponse(error));
-        }
-        self.read_head(&head.method)
-            .await
-            .map_err(SendError::NoResponse)
-    }
-
-    /// Writes the body after the head: `pending` first, then every frame `body` has left.
-    async fn write_rest<B>(
-        &mut self,
-        body: &mut B,
-        mut pending: Option<Bytes>,
-        mut ended: bool,
-        length: BodyLength,
-        mut written: u64,
-    ) -> Result<(), ClientError>
-    where
-        B: Body<Data = Bytes> + Unpin,
-        B::Error: Into<BoxError>,
-    {
-        let mut chunk_head = Vec::with_capacity(20);
-        loop {
-            let data = match pending.take() {
-                Some(data) => data,
-                None if ended => break,
-                None => match next_data(body).await {
-                    Ok(Some(data)) => data,
-                    Ok(None) => {
-                        ended = true;
-                        continue;
-                    }
-                    Err(error) => return Err(ClientError::RequestBody(error)),
-                },
-            };
-            if data.is_empty() {
-                continue;
-            }
-            written += data.len() as u64;
-            if let BodyLength::Exact(n) = length
-                && written > n
-            {
-                return Err(ClientError::RequestBody(
-                    "the request body is longer than its declared length".into(),
-                ));
-            }
-            if length == BodyLength::Chunked {
-                chunk_head.clear();
-                chunk_head.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-                self.io.write_all(&chunk_head).await?;
-                self.io.write_all(&data).await?;
-                self.io.write_all(b"\r\n").await?;
-            } else {
-                self.io.write_all(&data).await?;
-            }
-        }
-        match length {
-            BodyLength::Chunked => self.io.write_all(b"0\r\n\r\n").await?,
-            BodyLength::Exact(n) if written != n => {
-                return Err(ClientError::RequestBody(
-                    "the request body is shorter than its declared length".into(),
-                ));
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// Reads until a final (non-`1xx`) response head is complete, and parses it.
-    async fn read_head(&mut self, method: &Method) -> Result<ResponseHead, ClientError> {
-        loop {
-            if let Some(head) = parse_head(&mut self.read, &mut self.spans, method)? {
-                if head.status.is_informational() {
-                    if head.status == StatusCode::SWITCHING_PROTOCOLS {
-                        return Err(ClientError::Malformed("an unrequested protocol switch"));
-                    }
-                    continue;
+                match result {
+                    Ok(()) => written_all = Some(true),
+                    // The client's body failed or lied about its length: the request is
+                    // broken, whatever the upstream does with its part.
+                    Err(error @ ClientError::RequestBody(_)) => return Poll::Ready(Err(error)),
+                    // The socket failed: the upstream may have answered early and closed.
+                    Err(_) => written_all = Some(false),
                 }
-                return Ok(head);
             }
-            if self.read.len() > MAX_HEAD_BYTES {
-                return Err(ClientError::Malformed("response head too large"));
+            read.as_mut().poll(cx)
+        })
+        .await;
+        match answer {
+            Ok(mut answer) => {
+                if written_all != Some(true) {
+                    answer.keep_alive = false;
+                }
+                Ok(answer)
             }
-            self.read.reserve(READ_CHUNK);
-            if self.io.read_buf(&mut self.read).await? == 0 {
-                return Err(ClientError::Closed);
-            }
+            Err(error) => Err(SendError::NoResponse(error)),
         }
     }
 
@@ -313,10 +257,24 @@ enum BodyLength {
     Chunked,
 }
 
+impl BodyLength {
+    /// The most body bytes this framing lets through.
+    fn most(self) -> u64 {
+        match self {
+            BodyLength::None => 0,
+            BodyLength::Exact(n) => n,
+            BodyLength::Chunked => u64::MAX,
+        }
+    }
+}
+
+/// What a body that yields more than its length said is refused with.
+const LONGER_THAN_DECLARED: &str = "the request body is longer than its declared length";
+
 fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes>) -> BodyLength {
     let taken = first.map_or(0, |b| b.len() as u64);
-    match body.size_hint().exact() {
-        Some(0) if taken == 0 => {
+    match body.size_hint().exact().map(|n| n.checked_add(taken)) {
+        Some(Some(0)) => {
             // Methods that define a body say it is empty; the others send no length.
             if matches!(head.method, Method::POST | Method::PUT | Method::PATCH) {
                 BodyLength::Exact(0)
@@ -324,8 +282,91 @@ fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes
                 BodyLength::None
             }
         }
-        Some(n) => BodyLength::Exact(n + taken),
-        None => BodyLength::Chunked,
+        Some(Some(n)) => BodyLength::Exact(n),
+        Some(None) | None => BodyLength::Chunked,
+    }
+}
+
+/// Writes the body after the head: `pending` first, then every frame `body` has left, each
+/// checked against the declared length.
+async fn write_body<W, B>(
+    io: &mut W,
+    body: &mut B,
+    mut pending: Option<Bytes>,
+    mut ended: bool,
+    length: BodyLength,
+    mut written: u64,
+) -> Result<(), ClientError>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut chunk = Vec::new();
+    loop {
+        let data = match pending.take() {
+            Some(data) => data,
+            None if ended => break,
+            None => match next_data(body).await {
+                Ok(Some(data)) => data,
+                Ok(None) => {
+                    ended = true;
+                    continue;
+                }
+                Err(error) => return Err(ClientError::RequestBody(error)),
+            },
+        };
+        written = written.saturating_add(data.len() as u64);
+        if written > length.most() {
+            return Err(ClientError::RequestBody(LONGER_THAN_DECLARED.into()));
+        }
+        if length == BodyLength::Chunked {
+            chunk.clear();
+            encode_data(&data, length, &mut chunk);
+            io.write_all(&chunk).await?;
+        } else {
+            io.write_all(&data).await?;
+        }
+    }
+    match length {
+        BodyLength::Chunked => io.write_all(b"0\r\n\r\n").await?,
+        BodyLength::Exact(n) if written != n => {
+            return Err(ClientError::RequestBody(
+                "the request body is shorter than its declared length".into(),
+            ));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Reads until a final (non-`1xx`) response head is complete, and parses it.
+async fn read_head<R>(
+    io: &mut R,
+    buf: &mut BytesMut,
+    spans: &mut Vec<(HeaderName, usize, usize)>,
+    method: &Method,
+) -> Result<ResponseHead, ClientError>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    loop {
+        if let Some(head) = parse_head(buf, spans, method)? {
+            if head.status.is_informational() {
+                if head.status == StatusCode::SWITCHING_PROTOCOLS {
+                    return Err(ClientError::Malformed("an unrequested protocol switch"));
+                }
+                continue;
+            }
+            return Ok(head);
+        }
+        if buf.len() > MAX_HEAD_BYTES {
+            return Err(ClientError::Malformed("response head too large"));
+        }
+        buf.reserve(READ_CHUNK);
+        if io.read_buf(buf).await? == 0 {
+            return Err(ClientError::Closed);
+        }
     }
 }
 
@@ -376,7 +417,8 @@ enum Ready {
     NotYet,
 }
 
-/// The body's next data frame if it is there without waiting (trailers are skipped).
+/// The body's next non-empty data frame if it is there without waiting (trailers are
+/// skipped: they are not sent upstream).
 fn next_data_now<B>(body: &mut B) -> Result<Ready, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -389,8 +431,9 @@ where
     loop {
         match Pin::new(&mut *body).poll_frame(&mut noop) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) => return Ok(Ready::Data(data)),
-                Err(_trailers) => continue,
+                Ok(data) if !data.is_empty() => return Ok(Ready::Data(data)),
+                // An empty frame or trailers: nothing to send.
+                _ => continue,
             },
             Poll::Ready(Some(Err(error))) => return Err(error.into()),
             Poll::Ready(None) => return Ok(Ready::End),
@@ -399,7 +442,7 @@ where
     }
 }
 
-/// The body's next data frame (trailers are skipped), or `None` at its end.
+/// The body's next non-empty data frame (trailers are skipped), or `None` at its end.
 async fn next_data<B>(body: &mut B) -> Result<Option<Bytes>, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -409,8 +452,9 @@ where
         loop {
             match ready!(Pin::new(&mut *body).poll_frame(cx)) {
                 Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => return Poll::Ready(Ok(Some(data))),
-                    Err(_trailers) => continue,
+                    Ok(data) if !data.is_empty() => return Poll::Ready(Ok(Some(data))),
+                    // An empty frame or trailers: nothing to send.
+                    _ => continue,
                 },
                 Some(Err(error)) => return Poll::Ready(Err(error.into())),
                 None => return Poll::Ready(Ok(None)),
@@ -468,14 +512,15 @@ fn parse_head(
         headers.append(name, value);
     }
     let framing = framing(&headers, status, method)?;
-    // A response with both length fields is suspect (RFC 9112 §6.3): read it by its
-    // chunks, then close.
+    // A response with both length fields is suspect (RFC 9112 §6.3): it is read by its
+    // Transfer-Encoding, its Content-Length is not passed on, and the connection is closed
+    // after it.
     let both_lengths =
-        headers.contains_key(TRANSFER_ENCODING) && headers.contains_key(CONTENT_LENGTH);
+        headers.contains_key(TRANSFER_ENCODING) && headers.remove(CONTENT_LENGTH).is_some();
     let keep_alive = version == Version::HTTP_11
         && framing != Framing::UntilClose
         && !both_lengths
-        && !has_token(&headers, &CONNECTION, "close");
+        && !asks_to_close(&headers);
     Ok(Some(ResponseHead {
         status,
         version,
@@ -492,6 +537,11 @@ fn framing(
     status: StatusCode,
     method: &Method,
 ) -> Result<Framing, ClientError> {
+    if method == Method::CONNECT && status.is_success() {
+        return Err(ClientError::Malformed(
+            "a tunnel, which the gateway does not relay",
+        ));
+    }
     if method == Method::HEAD
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
@@ -539,14 +589,15 @@ fn framing(
     })
 }
 
-/// Whether a comma-separated field carries `token` (case-insensitive).
-fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+/// Whether `Connection` says `close`. A value that is not text counts as saying it.
+fn asks_to_close(headers: &HeaderMap) -> bool {
+    headers.get_all(CONNECTION).iter().any(|value| {
+        value.to_str().map_or(true, |value| {
+            value
+                .split(',')
+                .any(|token| token.trim().eq_ignore_ascii_case("close"))
+        })
+    })
 }
 
 /// Reads a response body off its connection.
@@ -567,8 +618,8 @@ enum BodyState {
     ChunkData(u64),
     /// The CRLF after a chunk's data.
     ChunkEnd,
-    /// Trailer fields after the last chunk, up to an empty line.
-    Trailers,
+    /// Trailer fields after the last chunk, up to an empty line; so many bytes of them read.
+    Trailers(usize),
     /// Until the connection closes.
     UntilClose,
     /// Read to its end.
@@ -659,7 +710,7 @@ impl BodyReader {
                     return Poll::Ready(Some(Ok(connection.read.split_to(all).freeze())));
                 }
                 BodyState::ChunkSize => match chunk_size(&mut connection.read) {
-                    Ok(Some(0)) => self.state = BodyState::Trailers,
+                    Ok(Some(0)) => self.state = BodyState::Trailers(0),
                     Ok(Some(n)) => self.state = BodyState::ChunkData(n),
                     Ok(None) => {
                         if let Err(error) = ready!(connection.poll_fill(cx)) {
@@ -690,15 +741,26 @@ impl BodyReader {
                     connection.read.advance(2);
                     self.state = BodyState::ChunkSize;
                 }
-                BodyState::Trailers => match trailer_line(&mut connection.read) {
-                    Ok(Some(true)) => self.state = BodyState::Done,
-                    Ok(Some(false)) => {}
-                    Ok(None) => {
+                BodyState::Trailers(seen) => match trailer_line(&mut connection.read) {
+                    Some(0) => self.state = BodyState::Done,
+                    Some(line) => {
+                        *seen += line;
+                        if *seen > MAX_HEAD_BYTES {
+                            return Poll::Ready(Some(Err(ClientError::Malformed(
+                                "trailers too large",
+                            ))));
+                        }
+                    }
+                    None if connection.read.len() > MAX_HEAD_BYTES => {
+                        return Poll::Ready(Some(Err(ClientError::Malformed(
+                            "trailers too large",
+                        ))));
+                    }
+                    None => {
                         if let Err(error) = ready!(connection.poll_fill(cx)) {
                             return Poll::Ready(Some(Err(error)));
                         }
                     }
-                    Err(error) => return Poll::Ready(Some(Err(error))),
                 },
             }
         }
@@ -718,33 +780,36 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
         return Err(ClientError::Malformed("chunk-size line too long"));
     }
     let line = &buf[..end];
+    // HEX, then optional whitespace before any extension.
     let digits = line
         .split(|&b| b == b';')
         .next()
         .unwrap_or_default()
-        .trim_ascii();
-    if digits.is_empty() || digits.len() > 15 || !digits.iter().all(u8::is_ascii_hexdigit) {
+        .trim_ascii_end();
+    let significant = &digits[digits.iter().take_while(|&&b| b == b'0').count()..];
+    if digits.is_empty() || significant.len() > 15 || !digits.iter().all(u8::is_ascii_hexdigit) {
         return Err(ClientError::Malformed("bad chunk size"));
     }
-    let size = std::str::from_utf8(digits)
+    let size = std::str::from_utf8(significant)
         .ok()
-        .and_then(|s| u64::from_str_radix(s, 16).ok())
+        .and_then(|s| {
+            if s.is_empty() {
+                Some(0)
+            } else {
+                u64::from_str_radix(s, 16).ok()
+            }
+        })
         .ok_or(ClientError::Malformed("bad chunk size"))?;
     buf.advance(end + 2);
     Ok(Some(size))
 }
 
-/// Takes one trailer line off `buf`: `true` for the empty line that ends the message,
-/// `false` for a field (dropped), `None` if the line is not complete yet.
-fn trailer_line(buf: &mut BytesMut) -> Result<Option<bool>, ClientError> {
-    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
-        if buf.len() > MAX_HEAD_BYTES {
-            return Err(ClientError::Malformed("trailer too large"));
-        }
-        return Ok(None);
-    };
+/// Takes one trailer line off `buf` (the field is dropped): its length without the CRLF
+/// (`0` for the empty line that ends the message), or `None` if the line is not complete yet.
+fn trailer_line(buf: &mut BytesMut) -> Option<usize> {
+    let end = buf.windows(2).position(|w| w == b"\r\n")?;
     buf.advance(end + 2);
-    Ok(Some(end == 0))
+    Some(end)
 }
 
 #[cfg(test)]
@@ -1025,7 +1090,7 @@ mod tests {
     #[tokio::test]
     async fn request_bodies_go_with_their_length_or_chunked() {
         let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
-        let (addr, server) = scripted(vec![ok, ok], Pace::Whole).await;
+        let (addr, server) = scripted(vec![ok, ok, ok], Pace::Whole).await;
         let mut connection = connect(addr).await;
         let mut post = head(Method::POST, "/pay?x=1");
         // The client's own length field is replaced by the body's.
@@ -1041,6 +1106,12 @@ mod tests {
             .send(&head(Method::POST, "/stream"), &mut frames, &mut None)
             .await
             .unwrap();
+        // An empty frame is not a chunk: `0` would end the body early.
+        let mut empty = Frames(VecDeque::from([Bytes::new()]));
+        connection
+            .send(&head(Method::POST, "/empty"), &mut empty, &mut None)
+            .await
+            .unwrap();
         drop(connection);
         let sent = String::from_utf8(server.await.unwrap()).unwrap();
         assert!(
@@ -1049,7 +1120,11 @@ mod tests {
         );
         assert!(!sent.contains("999"), "{sent}");
         assert!(
-            sent.ends_with("POST /stream HTTP/1.1\r\nhost: upstream.test\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n5\r\ndefgh\r\n0\r\n\r\n"),
+            sent.contains("POST /stream HTTP/1.1\r\nhost: upstream.test\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n5\r\ndefgh\r\n0\r\n\r\nPOST /empty"),
+            "{sent}"
+        );
+        assert!(
+            sent.ends_with("POST /empty HTTP/1.1\r\nhost: upstream.test\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"),
             "{sent}"
         );
     }
@@ -1057,10 +1132,10 @@ mod tests {
     #[tokio::test]
     async fn a_body_longer_than_its_length_is_refused() {
         let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
-        let (addr, _server) = scripted(vec![ok], Pace::Whole).await;
+        let (addr, server) = scripted(vec![ok], Pace::Whole).await;
         let mut connection = connect(addr).await;
-        /// Says 2 bytes, gives 5.
-        struct Liar(bool);
+        /// Says `.1` bytes, gives 5.
+        struct Liar(bool, u64);
         impl Body for Liar {
             type Data = Bytes;
             type Error = std::convert::Infallible;
@@ -1072,15 +1147,98 @@ mod tests {
                 Poll::Ready(first.then(|| Ok(http_body::Frame::data(Bytes::from_static(b"12345")))))
             }
             fn size_hint(&self) -> http_body::SizeHint {
-                http_body::SizeHint::with_exact(2)
+                http_body::SizeHint::with_exact(self.1)
             }
         }
-        let error = connection
-            .send(&head(Method::PUT, "/"), &mut Liar(true), &mut None)
-            .await
-            .unwrap_err();
+        for (method, said) in [(Method::PUT, 2), (Method::GET, 0)] {
+            let error = connection
+                .send(&head(method.clone(), "/"), &mut Liar(true, said), &mut None)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(error, SendError::BodyBeforeSent(_)),
+                "{method}: {error:?}"
+            );
+        }
+        drop(connection);
         assert!(
-            matches!(error, SendError::NoResponse(ClientError::RequestBody(_))),
+            server.await.unwrap().is_empty(),
+            "nothing of a body longer than declared goes out"
+        );
+    }
+
+    /// One frame of a body that says it is longer, then nothing more, ever.
+    struct Stalled(Option<Bytes>);
+
+    impl Body for Stalled {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            match self.0.take() {
+                Some(data) => Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
+                None => Poll::Pending,
+            }
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(1_000)
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_before_the_whole_body_stands_and_ends_the_connection() {
+        let (addr, _server) = scripted(
+            vec![b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n"],
+            Pace::Whole,
+        )
+        .await;
+        let mut connection = connect(addr).await;
+        let mut body = Stalled(Some(Bytes::from_static(b"first ten.")));
+        let response = tokio::time::timeout(
+            Duration::from_secs(5),
+            connection.send(&head(Method::POST, "/upload"), &mut body, &mut None),
+        )
+        .await
+        .expect("the early answer is read while the body waits")
+        .unwrap();
+        assert_eq!(response.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let mut reader = BodyReader::new(&response, connection);
+        assert!(reader.is_done());
+        assert!(
+            reader.take_reusable().is_none(),
+            "the rest of the body was never sent: the connection is not reused"
+        );
+    }
+
+    #[tokio::test]
+    async fn chunked_wins_over_a_content_length_that_is_not_passed_on() {
+        let (addr, _server) = scripted(
+            vec![b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nTransfer-Encoding: chunked\r\n\r\n0005 ;x=1\r\nhello\r\n0\r\n\r\n"],
+            Pace::Whole,
+        )
+        .await;
+        let mut connection = connect(addr).await;
+        let response = get(&mut connection, Method::GET).await.unwrap();
+        assert!(!response.headers.contains_key(CONTENT_LENGTH));
+        let mut reader = BodyReader::new(&response, connection);
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
+        assert!(reader.take_reusable().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_tunnel_is_not_relayed() {
+        let error = exchange(
+            b"HTTP/1.1 200 Connection Established\r\n\r\n",
+            Method::CONNECT,
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(error, SendError::NoResponse(ClientError::Malformed(_))),
             "{error:?}"
         );
     }

@@ -160,14 +160,17 @@ where
             response
         }
         Ok(Err(SendError::BodyBeforeSent(error))) => {
-            // The client's body broke off before anything went upstream: not the upstream's
-            // failure, and nothing was sent.
+            // The client's body broke off (or overran its length) before anything went
+            // upstream: not the upstream's failure, and nothing was sent.
             tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
-            let mut response = Problem::request_body_error()
-                .into_response()
-                .map(ProxyBody::full);
-            response.extensions_mut().insert(UpstreamFailure::NotSent);
-            response
+            body_failure(UpstreamFailure::NotSent)
+        }
+        Ok(Err(SendError::Sent(ClientError::RequestBody(error)))) => {
+            // The same after part of the request went out: the upstream holds an incomplete
+            // message, which is not the upstream's failure either, but what it made of it
+            // is not known.
+            tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
+            body_failure(UpstreamFailure::Unknown)
         }
         Ok(Err(error)) => {
             let kind = match error {
@@ -259,6 +262,15 @@ fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Respon
         UpstreamErrorKind::Reset => (Problem::no_response(), UpstreamFailure::Unknown),
     };
     let mut response = problem.into_response().map(ProxyBody::full);
+    response.extensions_mut().insert(failure);
+    response
+}
+
+/// The answer when the client's own request body failed on its way upstream.
+fn body_failure(failure: UpstreamFailure) -> Response<ProxyBody> {
+    let mut response = Problem::request_body_error()
+        .into_response()
+        .map(ProxyBody::full);
     response.extensions_mut().insert(failure);
     response
 }

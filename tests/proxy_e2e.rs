@@ -452,6 +452,44 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn chunked_and_large_bodies_cross_whole_both_ways() {
+    let s = setup().await;
+    // An answer chunked on the wire: streamed through, and kept for a keyed request.
+    let plain = send("POST", &s.gw.url("/stream/plain"), &[], "x").await;
+    assert_eq!(plain.status, 201);
+    assert_eq!(plain.json()["path"], "/stream/plain");
+    let first = send("POST", &s.gw.url("/stream/keyed"), &[key("chunked-1")], "x").await;
+    let again = send("POST", &s.gw.url("/stream/keyed"), &[key("chunked-1")], "x").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    assert_eq!(again.body, first.body);
+    assert_eq!(s.upstream.hits("/stream/keyed"), 1);
+
+    // 3 MiB in 64 KiB frames, on connections that are then used again.
+    for round in 0..3 {
+        let big = send("GET", &s.gw.url("/big"), &[("x-size", "3145728")], "").await;
+        assert_eq!(big.status, 201, "round {round}");
+        assert_eq!(big.body.len(), 3 << 20, "round {round}");
+        assert!(big.body.iter().all(|&b| b == b'a'));
+    }
+
+    // A request body without a length goes upstream whole (chunked), and the answer after it
+    // comes on the same client connection.
+    let chunked = raw(
+        s.gw.addr,
+        b"POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(chunked.starts_with("HTTP/1.1 201"), "{chunked}");
+    assert!(chunked.contains("\"body_len\":11"), "{chunked}");
+    assert!(
+        s.upstream.connections() <= 3,
+        "{} upstream connections for sequential requests",
+        s.upstream.connections()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn idle_upstream_connections_are_closed_within_seconds() {
     let s = setup().await;
     assert_eq!(send("POST", &s.gw.url("/idle"), &[], "x").await.status, 201);

@@ -85,7 +85,8 @@ pub struct UpstreamState {
 /// - `x-delay-ms: N` makes it wait N ms before answering (not part of any fingerprint).
 /// - `/status/NNN` or `x-status: NNN` answers with status NNN; everything else answers `201`.
 /// - `/spoof…` adds hop-by-hop headers and a forged `Idempotent-Replayed: true`.
-/// - `/stream…` answers a 3-chunk body.
+/// - `/stream…` answers its JSON in 3 chunks with no length (chunked on the wire).
+/// - `x-size: N` answers N bytes of `a` instead of the JSON, in 64 KiB frames.
 /// - `/close…` answers with `Connection: close` (the connection ends after the response).
 /// - The body is JSON: `{"path", "n" (hits on this path so far), "body_len", "headers"}`.
 pub struct TestUpstream {
@@ -183,7 +184,7 @@ impl Drop for TestUpstream {
 async fn handle(
     state: Arc<UpstreamState>,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, hyper::Error> {
+) -> Result<Response<Frames>, hyper::Error> {
     let path = req.uri().path().to_owned();
     let n = {
         let mut hits = state.hits.lock().unwrap();
@@ -197,6 +198,11 @@ async fn handle(
         .get("x-delay-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let size = req
+        .headers()
+        .get("x-size")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
     let req_status = req
         .headers()
         .get("x-status")
@@ -219,7 +225,24 @@ async fn handle(
         .unwrap_or(StatusCode::CREATED);
     let json =
         serde_json::json!({ "path": path, "n": n, "body_len": body.len(), "headers": headers });
-    let mut response = Response::new(Full::new(Bytes::from(json.to_string())));
+    let json = Bytes::from(json.to_string());
+    let frames = if let Some(size) = size {
+        let all = Bytes::from(vec![b'a'; size]);
+        let frames = (0..size)
+            .step_by(64 * 1024)
+            .map(|at| all.slice(at..size.min(at + 64 * 1024)));
+        Frames::sized(frames.collect())
+    } else if path.starts_with("/stream") {
+        let third = json.len() / 3;
+        Frames::unknown_length(vec![
+            json.slice(..third),
+            json.slice(third..2 * third),
+            json.slice(2 * third..),
+        ])
+    } else {
+        Frames::sized(vec![json])
+    };
+    let mut response = Response::new(frames);
     *response.status_mut() = status;
     let h = response.headers_mut();
     h.insert("content-type", HeaderValue::from_static("application/json"));
@@ -237,6 +260,53 @@ async fn handle(
     }
     state.finished.fetch_add(1, Ordering::SeqCst);
     Ok(response)
+}
+
+/// A response body sent frame by frame, with its length (a `Content-Length`) or without
+/// (chunked on the wire).
+pub struct Frames {
+    frames: std::collections::VecDeque<Bytes>,
+    sized: bool,
+}
+
+impl Frames {
+    fn sized(frames: Vec<Bytes>) -> Self {
+        Self {
+            frames: frames.into(),
+            sized: true,
+        }
+    }
+
+    fn unknown_length(frames: Vec<Bytes>) -> Self {
+        Self {
+            frames: frames.into(),
+            sized: false,
+        }
+    }
+}
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(
+            self.frames
+                .pop_front()
+                .map(|b| Ok(http_body::Frame::data(b))),
+        )
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if self.sized {
+            http_body::SizeHint::with_exact(self.frames.iter().map(|b| b.len() as u64).sum())
+        } else {
+            http_body::SizeHint::default()
+        }
+    }
 }
 
 /// A free port on 127.0.0.1 with nothing listening (bound, then released).

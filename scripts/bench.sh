@@ -12,6 +12,7 @@
 #   CARGO_FLAGS=     extra flags for the release build (e.g. --no-default-features --features proxy,redis)
 #   WRITE=1          write the results into BENCHMARKS.md (0: print only)
 #   SETTLE_MAX=20    most seconds to wait, before each run, for the servers to go quiet
+#   RECORD_TTL=5s    ttl of the new keys' records
 #
 # It installs Debian's nginx and wrk when missing (and redis-server through .ci/install-deps),
 # starts everything it measures on free loopback ports from a temporary directory, and stops
@@ -48,10 +49,8 @@ if [ "$(nproc)" -lt 2 ]; then
 fi
 
 # --- build ---------------------------------------------------------------------------------
-log "building release binaries"
 # shellcheck disable=SC2086 # CARGO_FLAGS is a list of flags
-cargo build --release --locked --examples --bins $CARGO_FLAGS >&2
-BIN="$ROOT/target/release"
+build_release $CARGO_FLAGS
 
 free_port() {
     local p
@@ -82,9 +81,7 @@ PIN=(taskset -c "$SERVER_CPU")
 JSON='{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}'
 
 # --- upstream --------------------------------------------------------------------------------
-"${PIN[@]}" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
-PIDS+=($!); UPSTREAM_PID=$!
-UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+start_upstream "$SERVER_CPU"
 log "upstream on $UPSTREAM"
 
 # --- nginx: keep-alive reverse proxy and a static reply --------------------------------------
@@ -179,9 +176,6 @@ for store in $STORES; do
     log "idemgate ($store) on ${GATEWAY[$store]}"
 done
 
-# --- wrk scripts -----------------------------------------------------------------------------
-for script in post new_keys replays; do cp "$ROOT/scripts/$script.lua" "$TMP/$script.lua"; done
-
 # --- cases -----------------------------------------------------------------------------------
 # name|label|url|script|pid whose CPU is measured
 CASES=(
@@ -198,7 +192,6 @@ done
 
 # CPU ticks (user + system) a process has used so far.
 cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
-rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 TCK=$(getconf CLK_TCK)
 
 # Converts wrk's "1.23ms" / "456.00us" / "1.01s" to milliseconds.
@@ -242,7 +235,7 @@ run_case() {
     local before after out
     before=$(cpu_ticks "$pid")
     out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \
-        -s "$TMP/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
+        -s "$ROOT/scripts/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
     after=$(cpu_ticks "$pid")
     [ -n "$record" ] || return 0
     local rps p50 p99 total errors cpu_us rss

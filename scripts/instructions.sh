@@ -32,9 +32,7 @@ LOAD_CPU=${LOAD_CPU:-1}
 
 need_tools valgrind:valgrind wrk:wrk taskset:util-linux
 
-log "building release binaries"
-cargo build --release --locked --examples --bins >&2
-BIN="$ROOT/target/release"
+build_release
 PIN=(taskset -c "$SERVER_CPU")
 LOAD=(taskset -c "$LOAD_CPU" wrk -t1 -c"$CONNECTIONS")
 CALLGRIND=(valgrind -q --tool=callgrind --instr-atstart=no)
@@ -60,7 +58,7 @@ measure() {
     callgrind_control -d "$pid" >/dev/null 2>&1
     local dump
     for _ in $(seq 1 50); do
-        dump=$(ls "$TMP"/cg."$pid".* 2>/dev/null | grep -v "\.$pid$" | head -1 || true)
+        dump=$(ls "$TMP"/cg."$pid".* 2>/dev/null | head -1 || true)
         [ -n "$dump" ] && break
         sleep 0.1
     done
@@ -89,9 +87,7 @@ row "upstream alone (hyper)" "$requests" "$dump"
 kill "$FLOOR_PID"; wait "$FLOOR_PID" 2>/dev/null || true
 
 # --- idemgate, memory store ----------------------------------------------------------------
-"${PIN[@]}" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
-PIDS+=($!)
-UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+start_upstream "$SERVER_CPU"
 cat >"$TMP/idemgate.toml" <<EOF
 upstream = "http://$UPSTREAM"
 ttl = "5s"

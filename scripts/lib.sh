@@ -38,6 +38,25 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# Builds the release binaries the scripts run (extra cargo flags as arguments); sets BIN.
+build_release() {
+    log "building release binaries"
+    cargo build --release --locked --examples --bins "$@" >&2
+    BIN="$ROOT/target/release"
+}
+
+# Starts the benchmark upstream on core $1; sets UPSTREAM (its address) and UPSTREAM_PID.
+# Called directly, not in `$(…)`, so the pid is the server's and it outlives the call.
+start_upstream() {
+    taskset -c "$1" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
+    UPSTREAM_PID=$!
+    PIDS+=("$UPSTREAM_PID")
+    UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+}
+
+# Resident memory of process $1, in KiB.
+rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+
 # Waits until FILE has a line matching PATTERN; prints the line.
 wait_line() {
     local file=$1 pattern=$2 what=$3 line

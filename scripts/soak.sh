@@ -29,20 +29,14 @@ NAME=soak
 
 need_tools wrk:wrk taskset:util-linux
 
-log "building release binaries"
-cargo build --release --locked --examples --bins >&2
-BIN="$ROOT/target/release"
-
-taskset -c "$SERVER_CPU" "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/upstream.out" 2>&1 &
-PIDS+=($!)
-UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
+build_release
+start_upstream "$SERVER_CPU"
 IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --listen 127.0.0.1:0 \
     --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" --store memory \
     --ttl "$RECORD_TTL" >"$TMP/idemgate.out" 2>&1 &
 PIDS+=($!); GATEWAY_PID=$!
 GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' "idemgate" | awk '{print $4}')
 
-rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 log "idemgate (memory store, ttl $RECORD_TTL) on $GATEWAY; ${DURATION}s of unique keys"
 taskset -c "$LOAD_CPU" wrk -t2 -c"$CONNECTIONS" -d"${DURATION}s" -s "$ROOT/scripts/new_keys.lua" \
     "http://$GATEWAY/v1/payments" -- soak >"$TMP/wrk.out" 2>&1 &

@@ -775,26 +775,15 @@ async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_over_the_header_limits_get_a_431_problem() {
-    fn as_refs(fields: &[(String, String)]) -> Vec<(&str, &str)> {
-        fields
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect()
-    }
     let s = setup_with("[limits]\nmax_headers = 20\nmax_header_bytes = \"8KiB\"").await;
-    let fields = |n: usize| -> Vec<(String, String)> {
-        (0..n)
-            .map(|i| (format!("x-field-{i}"), "1".to_owned()))
-            .collect()
-    };
-    let many = fields(25);
+    let names: Vec<String> = (0..25).map(|i| format!("x-field-{i}")).collect();
+    let fields = |n: usize| names[..n].iter().map(|name| (name.as_str(), "1"));
     let big = "v".repeat(10_000);
     let over: [(&str, Vec<(&str, &str)>); 2] = [
-        ("/many", as_refs(&many)),
+        ("/many", fields(25).collect()),
         ("/big", vec![("x-big", big.as_str())]),
     ];
-    for (path, headers) in over {
-        let mut headers = headers;
+    for (path, mut headers) in over {
         headers.push(("idempotency-key", "k-limits"));
         let r = send("POST", &s.gw.url(path), &headers, "x").await;
         assert_eq!(r.status, 431, "{path}");
@@ -803,9 +792,8 @@ async fn requests_over_the_header_limits_get_a_431_problem() {
         assert_eq!(s.upstream.hits(path), 0, "{path} was forwarded");
     }
     // Within the limits the same kind of request goes through, key and all.
-    let few = fields(10);
     let fits = "v".repeat(6_000);
-    let mut headers = as_refs(&few);
+    let mut headers: Vec<(&str, &str)> = fields(10).collect();
     headers.extend([("x-big", fits.as_str()), ("idempotency-key", "k-limits")]);
     assert_eq!(
         send("POST", &s.gw.url("/few"), &headers, "x").await.status,

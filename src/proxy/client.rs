@@ -12,7 +12,7 @@
 //! `1xx` responses are skipped. Chunked trailers are read and dropped.
 
 use std::future::poll_fn;
-use std::io;
+use std::io::{self, Write as _};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -73,8 +73,6 @@ pub enum SendError {
 pub struct ResponseHead {
     /// Status.
     pub status: StatusCode,
-    /// Version the upstream spoke.
-    pub version: Version,
     /// Fields, in order.
     pub headers: HeaderMap,
     framing: Framing,
@@ -102,6 +100,8 @@ pub struct Connection {
     read: BytesMut,
     /// Where each field of the head being parsed lies (kept to save an allocation per head).
     spans: Vec<(HeaderName, usize, usize)>,
+    /// The request head being written (kept, like `spans`).
+    out: Vec<u8>,
 }
 
 impl Connection {
@@ -111,6 +111,7 @@ impl Connection {
             io,
             read: BytesMut::new(),
             spans: Vec::new(),
+            out: Vec::new(),
         }
     }
 
@@ -162,13 +163,14 @@ impl Connection {
         if taken > length.most() {
             return Err(SendError::BodyBeforeSent(LONGER_THAN_DECLARED.into()));
         }
-        let mut out = Vec::with_capacity(256);
-        encode_head(head, length, &mut out);
+        let out = &mut self.out;
+        out.clear();
+        encode_head(head, length, out);
         let coalesced = first.as_ref().is_some_and(|b| b.len() <= COALESCE_BODY);
         if coalesced && let Some(data) = first.as_ref() {
-            encode_data(data, length, &mut out);
+            encode_data(data, length, out);
         }
-        if let Err(error) = self.io.write_all(&out).await {
+        if let Err(error) = self.io.write_all(&self.out).await {
             // `out` did not all go out: the upstream has at most part of the head and of the
             // first frame, not a request it could act on.
             return Err(SendError::Unused(error));
@@ -390,9 +392,7 @@ fn encode_head(head: &request::Parts, length: BodyLength, out: &mut Vec<u8>) {
     match length {
         BodyLength::None => {}
         BodyLength::Exact(n) => {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(n.to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
+            let _ = write!(out, "content-length: {n}\r\n");
         }
         BodyLength::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
@@ -402,7 +402,7 @@ fn encode_head(head: &request::Parts, length: BodyLength, out: &mut Vec<u8>) {
 /// One body frame's data as it goes on the wire.
 fn encode_data(data: &[u8], length: BodyLength, out: &mut Vec<u8>) {
     if length == BodyLength::Chunked {
-        out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        let _ = write!(out, "{:x}\r\n", data.len());
         out.extend_from_slice(data);
         out.extend_from_slice(b"\r\n");
     } else {
@@ -417,8 +417,7 @@ enum Ready {
     NotYet,
 }
 
-/// The body's next non-empty data frame if it is there without waiting (trailers are
-/// skipped: they are not sent upstream).
+/// The body's next non-empty data frame if it is there without waiting.
 fn next_data_now<B>(body: &mut B) -> Result<Ready, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -428,40 +427,38 @@ where
         return Ok(Ready::End);
     }
     let mut noop = Context::from_waker(std::task::Waker::noop());
-    loop {
-        match Pin::new(&mut *body).poll_frame(&mut noop) {
-            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) if !data.is_empty() => return Ok(Ready::Data(data)),
-                // An empty frame or trailers: nothing to send.
-                _ => continue,
-            },
-            Poll::Ready(Some(Err(error))) => return Err(error.into()),
-            Poll::Ready(None) => return Ok(Ready::End),
-            Poll::Pending => return Ok(Ready::NotYet),
-        }
-    }
+    Ok(match poll_next_data(body, &mut noop) {
+        Poll::Ready(next) => next?.map_or(Ready::End, Ready::Data),
+        Poll::Pending => Ready::NotYet,
+    })
 }
 
-/// The body's next non-empty data frame (trailers are skipped), or `None` at its end.
+/// The body's next non-empty data frame, or `None` at its end.
 async fn next_data<B>(body: &mut B) -> Result<Option<Bytes>, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    poll_fn(|cx| {
-        loop {
-            match ready!(Pin::new(&mut *body).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) if !data.is_empty() => return Poll::Ready(Ok(Some(data))),
-                    // An empty frame or trailers: nothing to send.
-                    _ => continue,
-                },
-                Some(Err(error)) => return Poll::Ready(Err(error.into())),
-                None => return Poll::Ready(Ok(None)),
-            }
+    poll_fn(|cx| poll_next_data(body, cx)).await
+}
+
+/// Polls for the body's next non-empty data frame. Empty frames and trailers are skipped:
+/// they have nothing to send upstream.
+fn poll_next_data<B>(body: &mut B, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, BoxError>>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        match ready!(Pin::new(&mut *body).poll_frame(cx)) {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => return Poll::Ready(Ok(Some(data))),
+                _ => continue,
+            },
+            Some(Err(error)) => return Poll::Ready(Err(error.into())),
+            None => return Poll::Ready(Ok(None)),
         }
-    })
-    .await
+    }
 }
 
 /// Parses a complete response head off the front of `buf`, or `None` if more is needed.
@@ -523,7 +520,6 @@ fn parse_head(
         && !asks_to_close(&headers);
     Ok(Some(ResponseHead {
         status,
-        version,
         headers,
         framing,
         keep_alive,
@@ -698,9 +694,9 @@ impl BodyReader {
                     if connection.read.is_empty() {
                         match ready!(connection.poll_fill(cx)) {
                             Ok(()) => {}
+                            // The end of this body; `keep_alive` is already off for it.
                             Err(ClientError::Closed) => {
                                 self.state = BodyState::Done;
-                                self.keep_alive = false;
                                 return Poll::Ready(None);
                             }
                             Err(error) => return Poll::Ready(Some(Err(error))),
@@ -767,10 +763,15 @@ impl BodyReader {
     }
 }
 
+/// Where the first CRLF in `buf` starts.
+fn find_crlf(buf: &[u8]) -> Option<usize> {
+    buf.windows(2).position(|w| w == b"\r\n")
+}
+
 /// Takes a chunk-size line (`HEX[;extensions]CRLF`) off `buf`: the size, or `None` if the
-/// line is not complete yet.
+/// line is not complete yet. Leading zeros aside, at most 15 hex digits.
 fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
-    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+    let Some(end) = find_crlf(buf) else {
         if buf.len() > MAX_CHUNK_LINE {
             return Err(ClientError::Malformed("chunk-size line too long"));
         }
@@ -779,27 +780,27 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
     if end > MAX_CHUNK_LINE {
         return Err(ClientError::Malformed("chunk-size line too long"));
     }
-    let line = &buf[..end];
+    let bad = ClientError::Malformed("bad chunk size");
     // HEX, then optional whitespace before any extension.
-    let digits = line
+    let digits = buf[..end]
         .split(|&b| b == b';')
         .next()
         .unwrap_or_default()
         .trim_ascii_end();
-    let significant = &digits[digits.iter().take_while(|&&b| b == b'0').count()..];
-    if digits.is_empty() || significant.len() > 15 || !digits.iter().all(u8::is_ascii_hexdigit) {
-        return Err(ClientError::Malformed("bad chunk size"));
+    if digits.is_empty() {
+        return Err(bad);
     }
-    let size = std::str::from_utf8(significant)
-        .ok()
-        .and_then(|s| {
-            if s.is_empty() {
-                Some(0)
-            } else {
-                u64::from_str_radix(s, 16).ok()
-            }
-        })
-        .ok_or(ClientError::Malformed("bad chunk size"))?;
+    let mut size = 0u64;
+    for &b in digits {
+        let Some(digit) = char::from(b).to_digit(16) else {
+            return Err(bad);
+        };
+        // A 16th significant digit.
+        if size >> 56 != 0 {
+            return Err(bad);
+        }
+        size = size << 4 | u64::from(digit);
+    }
     buf.advance(end + 2);
     Ok(Some(size))
 }
@@ -807,7 +808,7 @@ fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
 /// Takes one trailer line off `buf` (the field is dropped): its length without the CRLF
 /// (`0` for the empty line that ends the message), or `None` if the line is not complete yet.
 fn trailer_line(buf: &mut BytesMut) -> Option<usize> {
-    let end = buf.windows(2).position(|w| w == b"\r\n")?;
+    let end = find_crlf(buf)?;
     buf.advance(end + 2);
     Some(end)
 }

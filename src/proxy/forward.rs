@@ -159,25 +159,27 @@ where
             *response.headers_mut() = head.headers;
             response
         }
-        Ok(Err(SendError::BodyBeforeSent(error))) => {
+        Ok(Err(SendError::Client(client::SendError::BodyBeforeSent(error)))) => {
             // The client's body broke off (or overran its length) before anything went
             // upstream: not the upstream's failure, and nothing was sent.
             tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
-            body_failure(UpstreamFailure::NotSent)
+            problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
         }
-        Ok(Err(SendError::Sent(ClientError::RequestBody(error)))) => {
+        Ok(Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(
+            error,
+        ))))) => {
             // The same after part of the request went out: the upstream holds an incomplete
             // message, which is not the upstream's failure either, but what it made of it
             // is not known.
             tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
-            body_failure(UpstreamFailure::Unknown)
+            problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
         }
         Ok(Err(error)) => {
             let kind = match error {
-                SendError::Connect(_) | SendError::NotSent(_) | SendError::BodyBeforeSent(_) => {
+                SendError::Connect(_) | SendError::Client(client::SendError::Unused(_)) => {
                     UpstreamErrorKind::Unreachable
                 }
-                SendError::Sent(_) => UpstreamErrorKind::Reset,
+                SendError::Client(_) => UpstreamErrorKind::Reset,
             };
             tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
             upstream_failure(kind, shared)
@@ -198,25 +200,9 @@ enum SendError {
     /// No connection could be had: nothing was sent.
     #[error(transparent)]
     Connect(ConnectError),
-    /// A new connection failed before any of the request was written.
-    #[error("the upstream connection failed before the request was sent")]
-    NotSent(#[source] std::io::Error),
-    /// The client's request body failed before any of it was written.
-    #[error("the request body failed before it was sent")]
-    BodyBeforeSent(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The request was (or may have been) sent, and no response came.
-    #[error("the upstream gave no response")]
-    Sent(#[source] ClientError),
-}
-
-impl From<client::SendError> for SendError {
-    fn from(error: client::SendError) -> Self {
-        match error {
-            client::SendError::Unused(error) => SendError::NotSent(error),
-            client::SendError::BodyBeforeSent(error) => SendError::BodyBeforeSent(error),
-            client::SendError::NoResponse(error) => SendError::Sent(error),
-        }
-    }
+    /// The connection was had; the exchange on it failed (see [`client::SendError`]).
+    #[error(transparent)]
+    Client(#[from] client::SendError),
 }
 
 /// Sends the request on an idle connection, or on a new one; an idle connection that fails
@@ -261,16 +247,12 @@ fn upstream_failure(kind: UpstreamErrorKind, shared: &ForwarderShared) -> Respon
         ),
         UpstreamErrorKind::Reset => (Problem::no_response(), UpstreamFailure::Unknown),
     };
-    let mut response = problem.into_response().map(ProxyBody::full);
-    response.extensions_mut().insert(failure);
-    response
+    problem_response(problem, failure)
 }
 
-/// The answer when the client's own request body failed on its way upstream.
-fn body_failure(failure: UpstreamFailure) -> Response<ProxyBody> {
-    let mut response = Problem::request_body_error()
-        .into_response()
-        .map(ProxyBody::full);
+/// A problem answer made here, marked with what happened to the request.
+fn problem_response(problem: Problem, failure: UpstreamFailure) -> Response<ProxyBody> {
+    let mut response = problem.into_response().map(ProxyBody::full);
     response.extensions_mut().insert(failure);
     response
 }

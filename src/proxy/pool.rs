@@ -151,7 +151,8 @@ impl Pool {
     }
 
     /// Idle connections held now.
-    pub fn idle_count(&self) -> usize {
+    #[cfg(test)]
+    fn idle_count(&self) -> usize {
         self.lock().len()
     }
 

@@ -157,7 +157,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let policies: Vec<RoutePolicy> = std::iter::once(settings.default_route.clone())
         .chain(settings.routes.iter().map(|r| r.policy.clone()))
         .collect();
-    let metrics = Metrics::with_routes(policies.iter().map(RoutePolicy::route_name));
+    let metrics = Metrics::with_routes(settings.route_names());
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 

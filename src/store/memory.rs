@@ -341,19 +341,19 @@ impl Inner {
 }
 
 /// Puts a new record in `id`'s place, to expire at `expires`.
-fn replace(shard: &mut Shard, id: Id, expires: Tick, entry: Entry) {
-    if let Some(old) = shard.value_mut(id) {
-        *old = entry;
-    }
-    shard.set_expiry(id, expires);
+fn replace(shard: &mut Shard, id: Id, expires: Tick, fresh: Entry) {
+    shard.update(id, |_, entry| {
+        *entry = fresh;
+        expires
+    });
 }
 
 /// Puts `id`'s record in `state`, to expire at `expires`.
 fn set_state(shard: &mut Shard, id: Id, expires: Tick, state: State) {
-    if let Some(entry) = shard.value_mut(id) {
+    shard.update(id, |_, entry| {
         entry.state = state;
-    }
-    shard.set_expiry(id, expires);
+        expires
+    });
 }
 
 /// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
@@ -491,14 +491,14 @@ impl Store for MemoryStore {
     ) -> Result<Transition, StoreError> {
         Ok(self.inner.fenced(key, token, |shard, id, now| {
             let deadline = now + lease;
-            let Some(expires) = shard.get(id).map(|row| row.expires()) else {
-                return;
-            };
-            let state = State::InFlight {
-                token: Owner::from(token),
-                lease_deadline: deadline,
-            };
-            set_state(shard, id, expires.max(deadline), state);
+            // A lease past the record's expiry extends it; the expiry is never shortened.
+            shard.update(id, |expires, entry| {
+                entry.state = State::InFlight {
+                    token: Owner::from(token),
+                    lease_deadline: deadline,
+                };
+                expires.max(deadline)
+            });
         }))
     }
 

@@ -1184,9 +1184,11 @@ impl Tables<'_> {
             }
             self.records.remove(row)?;
             if let Some(key) = key
-                && self.rows.rows.get(&key) == Some(&row)
+                && let std::collections::hash_map::Entry::Occupied(entry) =
+                    self.rows.rows.entry(key)
+                && *entry.get() == row
             {
-                self.rows.rows.remove(&key);
+                entry.remove();
             }
         }
         if !doomed.is_empty() {

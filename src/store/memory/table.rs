@@ -134,6 +134,7 @@ impl<V> Table<V> {
     }
 
     /// The row at `id`.
+    #[cfg(test)]
     pub(super) fn get(&self, id: Id) -> Option<&Row<V>> {
         match self.slots.get(id.0 as usize) {
             Some(Slot::Occupied(row)) => Some(row),
@@ -141,12 +142,14 @@ impl<V> Table<V> {
         }
     }
 
-    /// The value of the row at `id`.
-    pub(super) fn value_mut(&mut self, id: Id) -> Option<&mut V> {
-        match self.slots.get_mut(id.0 as usize) {
-            Some(Slot::Occupied(row)) => Some(&mut row.value),
-            _ => None,
-        }
+    /// Changes the row at `id`: `change` gets its expiry and its value, changes the value, and
+    /// answers the new expiry.
+    pub(super) fn update(&mut self, id: Id, change: impl FnOnce(Tick, &mut V) -> Tick) {
+        let Some(Slot::Occupied(row)) = self.slots.get_mut(id.0 as usize) else {
+            return;
+        };
+        let expires = change(row.expires(), &mut row.value);
+        self.set_expiry(id, expires);
     }
 
     /// Adds a row for `key`, which the table must not hold yet. Gives the value back when the

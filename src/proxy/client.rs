@@ -12,7 +12,7 @@
 //! `1xx` responses are skipped. Chunked trailers are read and dropped.
 
 use std::future::poll_fn;
-use std::io::{self, Write as _};
+use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -22,6 +22,7 @@ use http::{HeaderMap, Method, StatusCode, Version, request};
 use http_body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
 
 /// Most header fields in a response head.
 pub const MAX_HEADERS: usize = 128;
@@ -66,6 +67,9 @@ pub enum SendError {
     /// The request was (or may have been) written, and no usable response head came.
     #[error("the upstream gave no response")]
     NoResponse(#[source] ClientError),
+    /// No response head came by the deadline; the request may have been written.
+    #[error("the upstream gave no response in time")]
+    TimedOut,
 }
 
 /// A response head as read, with what the client needs to read its body.
@@ -102,6 +106,10 @@ pub struct Connection {
     spans: Vec<(HeaderName, usize, usize)>,
     /// The request head being written (kept, like `spans`).
     out: Vec<u8>,
+    /// The deadline of the request in progress. Kept from request to request: moving a
+    /// registered timer to a later deadline is one atomic store, where a new timer per
+    /// request costs a trip to the runtime's timer wheel to register and one to cancel.
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl Connection {
@@ -112,6 +120,7 @@ impl Connection {
             read: BytesMut::new(),
             spans: Vec::new(),
             out: Vec::new(),
+            timer: None,
         }
     }
 
@@ -129,7 +138,8 @@ impl Connection {
         matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 
-    /// Writes `head` and `body` and reads the response head. `first` carries a body frame
+    /// Writes `head` (with `own` in place of the fields it names) and `body`, and reads the
+    /// response head, all by `deadline`. `first` carries a body frame
     /// taken from `body` by an attempt whose connection failed before anything was written:
     /// it is sent first, and left in place if this attempt fails the same way.
     ///
@@ -139,6 +149,41 @@ impl Connection {
     pub async fn send<B>(
         &mut self,
         head: &request::Parts,
+        own: &OwnFields<'_>,
+        body: &mut B,
+        first: &mut Option<Bytes>,
+        deadline: Instant,
+    ) -> Result<ResponseHead, SendError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let mut timer = match self.timer.take() {
+            Some(mut timer) => {
+                timer.as_mut().reset(deadline);
+                timer
+            }
+            None => Box::pin(tokio::time::sleep_until(deadline)),
+        };
+        let answer = {
+            let mut exchange = std::pin::pin!(self.exchange(head, own, body, first));
+            poll_fn(|cx| {
+                if let Poll::Ready(answer) = exchange.as_mut().poll(cx) {
+                    return Poll::Ready(answer);
+                }
+                ready!(timer.as_mut().poll(cx));
+                Poll::Ready(Err(SendError::TimedOut))
+            })
+            .await
+        };
+        self.timer = Some(timer);
+        answer
+    }
+
+    async fn exchange<B>(
+        &mut self,
+        head: &request::Parts,
+        own: &OwnFields<'_>,
         body: &mut B,
         first: &mut Option<Bytes>,
     ) -> Result<ResponseHead, SendError>
@@ -165,7 +210,7 @@ impl Connection {
         }
         let out = &mut self.out;
         out.clear();
-        encode_head(head, length, out);
+        encode_head(head, own, length, out);
         let coalesced = first.as_ref().is_some_and(|b| b.len() <= COALESCE_BODY);
         if coalesced && let Some(data) = first.as_ref() {
             encode_data(data, length, out);
@@ -250,7 +295,7 @@ impl Connection {
 
 /// How the request body is framed on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BodyLength {
+pub(super) enum BodyLength {
     /// No body and no length field (a `GET` without one).
     None,
     /// `Content-Length`.
@@ -372,37 +417,77 @@ where
     }
 }
 
-/// The request line and fields, with the framing field for `length`. The request's own
-/// `Content-Length` and `Transfer-Encoding` are replaced by it.
-fn encode_head(head: &request::Parts, length: BodyLength, out: &mut Vec<u8>) {
+/// Fields a sender sets itself on every request, written at the start of the head. The
+/// request's own fields of these names are not sent.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OwnFields<'a> {
+    /// The fields written.
+    pub set: &'a [(&'a HeaderName, &'a HeaderValue)],
+    /// Names whose request fields are left out: those of `set`, and any others to drop.
+    pub replaced: &'a [HeaderName],
+}
+
+/// The request line and fields, with `own` in place of the fields it replaces and the framing
+/// field for `length` in place of the request's `Content-Length` and `Transfer-Encoding`.
+pub(super) fn encode_head(
+    head: &request::Parts,
+    own: &OwnFields<'_>,
+    length: BodyLength,
+    out: &mut Vec<u8>,
+) {
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
     let target = head.uri.path_and_query().map_or("/", |pq| pq.as_str());
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in own.set {
+        encode_field(name, value, out);
+    }
     for (name, value) in &head.headers {
-        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
+        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING || own.replaced.contains(name) {
             continue;
         }
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        encode_field(name, value, out);
     }
     match length {
         BodyLength::None => {}
         BodyLength::Exact(n) => {
-            let _ = write!(out, "content-length: {n}\r\n");
+            out.extend_from_slice(b"content-length: ");
+            push_number(n, 10, out);
+            out.extend_from_slice(b"\r\n");
         }
         BodyLength::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
     out.extend_from_slice(b"\r\n");
 }
 
+fn encode_field(name: &HeaderName, value: &HeaderValue, out: &mut Vec<u8>) {
+    out.extend_from_slice(name.as_str().as_bytes());
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `n` in `radix` (10 or 16, lower-case digits), without going through `fmt`.
+fn push_number(mut n: u64, radix: u64, out: &mut Vec<u8>) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789abcdef"[(n % radix) as usize];
+        n /= radix;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
 /// One body frame's data as it goes on the wire.
 fn encode_data(data: &[u8], length: BodyLength, out: &mut Vec<u8>) {
     if length == BodyLength::Chunked {
-        let _ = write!(out, "{:x}\r\n", data.len());
+        push_number(data.len() as u64, 16, out);
+        out.extend_from_slice(b"\r\n");
         out.extend_from_slice(data);
         out.extend_from_slice(b"\r\n");
     } else {
@@ -898,7 +983,13 @@ mod tests {
 
     async fn get(connection: &mut Connection, method: Method) -> Result<ResponseHead, SendError> {
         connection
-            .send(&head(method, "/x"), &mut Empty::<Bytes>::new(), &mut None)
+            .send(
+                &head(method, "/x"),
+                &OwnFields::default(),
+                &mut Empty::<Bytes>::new(),
+                &mut None,
+                soon(),
+            )
             .await
     }
 
@@ -909,6 +1000,68 @@ mod tests {
         let mut connection = connect(addr).await;
         let response = get(&mut connection, method).await?;
         Ok(BodyReader::new(&response, connection))
+    }
+
+    /// A deadline no test reaches.
+    fn soon() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(30)
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal_and_hex() {
+        for (n, decimal, hex) in [
+            (0, "0", "0"),
+            (9, "9", "9"),
+            (255, "255", "ff"),
+            (4096, "4096", "1000"),
+            (u64::MAX, "18446744073709551615", "ffffffffffffffff"),
+        ] {
+            let mut out = b"x".to_vec();
+            push_number(n, 10, &mut out);
+            assert_eq!(out, format!("x{decimal}").as_bytes());
+            out.clear();
+            push_number(n, 16, &mut out);
+            assert_eq!(out, hex.as_bytes());
+        }
+    }
+
+    #[tokio::test]
+    async fn no_answer_by_the_deadline_is_a_timeout_on_a_reused_connection_too() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Answers the first request, then reads and never answers again.
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(buf[..n].ends_with(b"\r\n\r\n"));
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        });
+        let mut connection = connect(addr).await;
+        // Far off: the connection's timer is registered for that deadline.
+        let first = get(&mut connection, Method::GET).await.unwrap();
+        let mut reader = BodyReader::new(&first, connection);
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
+        let mut connection = reader.take_reusable().expect("read to its end: reusable");
+        // An earlier deadline than the timer's: it must fire then, not at the first's.
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(200);
+        let (request, own, mut body, mut first) = (
+            head(Method::GET, "/x"),
+            OwnFields::default(),
+            Empty::<Bytes>::new(),
+            None,
+        );
+        let sent = connection.send(&request, &own, &mut body, &mut first, deadline);
+        let answer = tokio::time::timeout(Duration::from_secs(10), sent)
+            .await
+            .expect("the deadline fired, not the 30 s one before it");
+        assert!(matches!(answer, Err(SendError::TimedOut)), "{answer:?}");
+        drop(connection);
+        server.await.unwrap();
     }
 
     #[tokio::test]
@@ -1098,19 +1251,34 @@ mod tests {
         post.headers
             .insert(CONTENT_LENGTH, HeaderValue::from_static("999"));
         let mut full = Full::new(Bytes::from_static(b"{\"a\":1}"));
-        connection.send(&post, &mut full, &mut None).await.unwrap();
+        connection
+            .send(&post, &OwnFields::default(), &mut full, &mut None, soon())
+            .await
+            .unwrap();
         let mut frames = Frames(VecDeque::from([
             Bytes::from_static(b"abc"),
             Bytes::from_static(b"defgh"),
         ]));
         connection
-            .send(&head(Method::POST, "/stream"), &mut frames, &mut None)
+            .send(
+                &head(Method::POST, "/stream"),
+                &OwnFields::default(),
+                &mut frames,
+                &mut None,
+                soon(),
+            )
             .await
             .unwrap();
         // An empty frame is not a chunk: `0` would end the body early.
         let mut empty = Frames(VecDeque::from([Bytes::new()]));
         connection
-            .send(&head(Method::POST, "/empty"), &mut empty, &mut None)
+            .send(
+                &head(Method::POST, "/empty"),
+                &OwnFields::default(),
+                &mut empty,
+                &mut None,
+                soon(),
+            )
             .await
             .unwrap();
         drop(connection);
@@ -1153,7 +1321,13 @@ mod tests {
         }
         for (method, said) in [(Method::PUT, 2), (Method::GET, 0)] {
             let error = connection
-                .send(&head(method.clone(), "/"), &mut Liar(true, said), &mut None)
+                .send(
+                    &head(method.clone(), "/"),
+                    &OwnFields::default(),
+                    &mut Liar(true, said),
+                    &mut None,
+                    soon(),
+                )
                 .await
                 .unwrap_err();
             assert!(
@@ -1201,7 +1375,13 @@ mod tests {
         let mut body = Stalled(Some(Bytes::from_static(b"first ten.")));
         let response = tokio::time::timeout(
             Duration::from_secs(5),
-            connection.send(&head(Method::POST, "/upload"), &mut body, &mut None),
+            connection.send(
+                &head(Method::POST, "/upload"),
+                &OwnFields::default(),
+                &mut body,
+                &mut None,
+                soon(),
+            ),
         )
         .await
         .expect("the early answer is read while the body waits")

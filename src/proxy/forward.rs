@@ -20,12 +20,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{HOST, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, Uri, Version};
+use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use tower_service::Service;
 
 use super::ErrorChain;
-use super::client::{self, BodyReader, ClientError, Connection, ResponseHead};
+use super::client::{self, BodyReader, ClientError, Connection, OwnFields, ResponseHead};
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::pool::{ConnectError, Pool};
@@ -39,32 +39,13 @@ pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-p
 /// `X-Forwarded-Host`.
 pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The client a request came from, put on each request by the server. Its address is rendered
-/// once per connection, not once per request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClientAddr {
-    addr: SocketAddr,
-    ip: HeaderValue,
-}
-
-impl ClientAddr {
-    /// The client at `addr`.
-    pub fn new(addr: SocketAddr) -> Self {
-        let ip = HeaderValue::try_from(addr.ip().to_string())
-            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-        Self { addr, ip }
-    }
-
-    /// The client's address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-/// Sends requests with bodies of type `B` to the upstream. A clone shares everything (one
-/// reference count), so the layer may clone it per request.
+/// Sends requests to the upstream. A clone shares everything (reference counts), so the layer
+/// may clone it per request.
 pub struct Forwarder {
     shared: Arc<ForwarderShared>,
+    /// The address of the client whose requests this forwarder sends, as `X-Forwarded-For`
+    /// gets it (see [`Forwarder::for_client`]).
+    client_ip: Option<HeaderValue>,
 }
 
 struct ForwarderShared {
@@ -80,6 +61,7 @@ impl Clone for Forwarder {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
+            client_ip: self.client_ip.clone(),
         }
     }
 }
@@ -102,6 +84,19 @@ impl Forwarder {
                 timeout,
                 metrics,
             }),
+            client_ip: None,
+        }
+    }
+
+    /// This forwarder for the requests of one client connection: each gets the client's
+    /// address appended to `X-Forwarded-For`. The address is rendered here, once per
+    /// connection.
+    pub fn for_client(&self, client: SocketAddr) -> Self {
+        let ip = HeaderValue::try_from(client.ip().to_string())
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        Self {
+            shared: Arc::clone(&self.shared),
+            client_ip: Some(ip),
         }
     }
 }
@@ -121,33 +116,39 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
-        Box::pin(async move { Ok(forward(&shared, req).await) })
+        let client_ip = self.client_ip.clone();
+        Box::pin(async move { Ok(forward(&shared, client_ip.as_ref(), req).await) })
     }
 }
 
-async fn forward<B>(shared: &ForwarderShared, req: Request<B>) -> Response<ProxyBody>
+async fn forward<B>(
+    shared: &ForwarderShared,
+    client_ip: Option<&HeaderValue>,
+    req: Request<B>,
+) -> Response<ProxyBody>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (mut parts, body) = req.into_parts();
-    let client_ip = parts.extensions.get::<ClientAddr>().map(|a| a.ip.clone());
     let client_version = parts.version;
-    let original_host = original_host(&parts.headers, &parts.uri);
     let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
         // Only a target that cannot be joined to the base path gets here; nothing was sent.
         return upstream_failure(UpstreamErrorKind::Unreachable, shared);
     };
-    prepare_request_headers(&mut parts.headers, client_ip, original_host);
-    parts.headers.insert(HOST, shared.host.clone());
+    strip_hop_by_hop(&mut parts.headers);
+    let forwarded = ForwardedFields::new(&parts.headers, &parts.uri, client_ip);
+    let set = forwarded.set(&shared.host);
+    let own = OwnFields {
+        set: set.as_slice(),
+        replaced: &FORWARDER_FIELDS,
+    };
     parts.uri = Uri::from(target);
-    // The upstream connection is HTTP/1.1 whatever the client spoke (h2c included).
-    parts.version = Version::HTTP_11;
 
     let started = Instant::now();
-    let result = tokio::time::timeout(shared.timeout, send(&shared.pool, &parts, body)).await;
-    match result {
-        Ok(Ok((mut head, connection))) => {
+    let deadline = tokio::time::Instant::from_std(started) + shared.timeout;
+    match send(&shared.pool, &parts, &own, body, deadline).await {
+        Ok((mut head, connection)) => {
             shared.metrics.observe_upstream(started.elapsed());
             prepare_response_headers(&mut head.headers);
             let body = ProxyBody::upstream(BodyReader::new(&head, connection), &shared.pool);
@@ -159,37 +160,38 @@ where
             *response.headers_mut() = head.headers;
             response
         }
-        Ok(Err(SendError::Client(client::SendError::BodyBeforeSent(error)))) => {
+        Err(SendError::Client(client::SendError::BodyBeforeSent(error))) => {
             // The client's body broke off (or overran its length) before anything went
             // upstream: not the upstream's failure, and nothing was sent.
             tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
             problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
         }
-        Ok(Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(
-            error,
-        ))))) => {
+        Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(error)))) => {
             // The same after part of the request went out: the upstream holds an incomplete
             // message, which is not the upstream's failure either, but what it made of it
             // is not known.
             tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
             problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
         }
-        Ok(Err(error)) => {
+        Err(error) => {
             let kind = match error {
                 SendError::Connect(_) | SendError::Client(client::SendError::Unused(_)) => {
                     UpstreamErrorKind::Unreachable
                 }
+                SendError::ConnectTimedOut | SendError::Client(client::SendError::TimedOut) => {
+                    UpstreamErrorKind::Timeout
+                }
                 SendError::Client(_) => UpstreamErrorKind::Reset,
             };
-            tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
+            if kind == UpstreamErrorKind::Timeout {
+                tracing::warn!(
+                    after_ms = shared.timeout.as_millis() as u64,
+                    "upstream timed out"
+                );
+            } else {
+                tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
+            }
             upstream_failure(kind, shared)
-        }
-        Err(_) => {
-            tracing::warn!(
-                after_ms = shared.timeout.as_millis() as u64,
-                "upstream timed out"
-            );
-            upstream_failure(UpstreamErrorKind::Timeout, shared)
         }
     }
 }
@@ -200,6 +202,9 @@ enum SendError {
     /// No connection could be had: nothing was sent.
     #[error(transparent)]
     Connect(ConnectError),
+    /// The deadline passed while connecting (after an idle connection failed).
+    #[error("the upstream did not connect in time")]
+    ConnectTimedOut,
     /// The connection was had; the exchange on it failed (see [`client::SendError`]).
     #[error(transparent)]
     Client(#[from] client::SendError),
@@ -211,7 +216,9 @@ enum SendError {
 async fn send<B>(
     pool: &Pool,
     head: &http::request::Parts,
+    own: &OwnFields<'_>,
     mut body: B,
+    deadline: tokio::time::Instant,
 ) -> Result<(ResponseHead, Connection), SendError>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
@@ -220,7 +227,10 @@ where
     // A body frame taken by an attempt that wrote nothing, for the next attempt.
     let mut first = None;
     if let Some(mut connection) = pool.take_idle() {
-        match connection.send(head, &mut body, &mut first).await {
+        match connection
+            .send(head, own, &mut body, &mut first, deadline)
+            .await
+        {
             Ok(response) => return Ok((response, connection)),
             Err(client::SendError::Unused(error)) => {
                 tracing::debug!(error = %ErrorChain(&error), "idle upstream connection failed; trying a new one");
@@ -228,8 +238,13 @@ where
             Err(error) => return Err(error.into()),
         }
     }
-    let mut connection = pool.connect().await.map_err(SendError::Connect)?;
-    let response = connection.send(head, &mut body, &mut first).await?;
+    let mut connection = tokio::time::timeout_at(deadline, pool.connect())
+        .await
+        .map_err(|_| SendError::ConnectTimedOut)?
+        .map_err(SendError::Connect)?;
+    let response = connection
+        .send(head, own, &mut body, &mut first, deadline)
+        .await?;
     Ok((response, connection))
 }
 
@@ -257,14 +272,6 @@ fn problem_response(problem: Problem, failure: UpstreamFailure) -> Response<Prox
     response
 }
 
-/// The client's `Host` (or, over HTTP/2, the `:authority`), as sent.
-fn original_host(headers: &http::HeaderMap, uri: &Uri) -> Option<HeaderValue> {
-    headers.get(HOST).cloned().or_else(|| {
-        uri.authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    })
-}
-
 /// The request target sent upstream (origin-form): the upstream's base path followed by the
 /// request's path and query. Nothing of the client's target but its path and query is used.
 pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery> {
@@ -283,55 +290,109 @@ pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery
     }
 }
 
-/// Makes a client's headers fit to send upstream: hop-by-hop fields, headers only idemgate
-/// sets and the client's `Host` are removed (the forwarder sends the upstream's authority),
-/// and the `X-Forwarded-*` fields are added.
-pub fn prepare_request_headers(
-    headers: &mut http::HeaderMap,
-    client_ip: Option<HeaderValue>,
-    original_host: Option<HeaderValue>,
-) {
-    strip_hop_by_hop(headers);
-    crate::headers::remove(headers, &IDEMPOTENT_REPLAYED);
-    headers.remove(HOST);
-    if let Some(ip) = client_ip {
-        append_forwarded_for(headers, ip);
-    }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    match original_host {
-        Some(host) => {
-            headers.insert(X_FORWARDED_HOST, host);
+/// The request fields the forwarder sets itself: `Host` (the upstream's authority) and the
+/// `X-Forwarded-*` fields, and `Idempotent-Replayed`, which only idemgate sets and is never
+/// sent upstream. The client's fields of these names are not sent as they came.
+pub const FORWARDER_FIELDS: [HeaderName; 5] = [
+    HOST,
+    X_FORWARDED_FOR,
+    X_FORWARDED_PROTO,
+    X_FORWARDED_HOST,
+    IDEMPOTENT_REPLAYED,
+];
+
+// The fields as written, in statics: `set` lends them out.
+static HOST_FIELD: HeaderName = HOST;
+static FOR_FIELD: HeaderName = X_FORWARDED_FOR;
+static PROTO_FIELD: HeaderName = X_FORWARDED_PROTO;
+static HOST_FORWARDED_FIELD: HeaderName = X_FORWARDED_HOST;
+/// `X-Forwarded-Proto`'s value: the gateway listens on plain HTTP.
+static PROTO_HTTP: HeaderValue = HeaderValue::from_static("http");
+
+/// The values of the fields in [`FORWARDER_FIELDS`] that a request gets upstream.
+#[derive(Debug)]
+pub struct ForwardedFields {
+    /// `X-Forwarded-For`: the client's chain, if any, then the client's address.
+    forwarded_for: Option<HeaderValue>,
+    /// `X-Forwarded-Host`: the client's `Host` (or, over HTTP/2, the `:authority`).
+    forwarded_host: Option<HeaderValue>,
+}
+
+impl ForwardedFields {
+    /// The values for a request with `headers` and `target` from the client at `client_ip`.
+    /// A client's own `X-Forwarded-Host` is dropped, never passed on.
+    pub fn new(headers: &http::HeaderMap, target: &Uri, client_ip: Option<&HeaderValue>) -> Self {
+        let forwarded_host = headers.get(HOST).cloned().or_else(|| {
+            target
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        Self {
+            forwarded_for: forwarded_for(headers, client_ip),
+            forwarded_host,
         }
-        None => crate::headers::remove(headers, &X_FORWARDED_HOST),
+    }
+
+    /// The fields to write, with `host` as `Host`.
+    pub fn set<'a>(&'a self, host: &'a HeaderValue) -> FieldList<'a> {
+        let mut list = FieldList {
+            fields: [(&HOST_FIELD, host); 4],
+            len: 1,
+        };
+        if let Some(chain) = &self.forwarded_for {
+            list.push(&FOR_FIELD, chain);
+        }
+        list.push(&PROTO_FIELD, &PROTO_HTTP);
+        if let Some(original) = &self.forwarded_host {
+            list.push(&HOST_FORWARDED_FIELD, original);
+        }
+        list
     }
 }
 
-/// Appends `ip` to the `X-Forwarded-For` chain, joining earlier fields into one.
-fn append_forwarded_for(headers: &mut http::HeaderMap, ip: HeaderValue) {
-    let mut earlier = match headers.entry(X_FORWARDED_FOR) {
-        http::header::Entry::Vacant(slot) => {
-            slot.insert(ip);
-            return;
-        }
-        http::header::Entry::Occupied(earlier) => earlier,
-    };
+/// Up to four fields, kept on the stack.
+pub struct FieldList<'a> {
+    fields: [(&'a HeaderName, &'a HeaderValue); 4],
+    len: usize,
+}
+
+impl<'a> FieldList<'a> {
+    fn push(&mut self, name: &'a HeaderName, value: &'a HeaderValue) {
+        self.fields[self.len] = (name, value);
+        self.len += 1;
+    }
+
+    /// The fields, in order.
+    pub fn as_slice(&self) -> &[(&'a HeaderName, &'a HeaderValue)] {
+        &self.fields[..self.len]
+    }
+}
+
+/// The `X-Forwarded-For` sent upstream: the client's chain, its fields joined into one, with
+/// `client_ip` appended.
+fn forwarded_for(
+    headers: &http::HeaderMap,
+    client_ip: Option<&HeaderValue>,
+) -> Option<HeaderValue> {
+    // Most requests carry no chain: a pass over the few names instead of a hash.
+    if !headers.keys().any(|name| name == X_FORWARDED_FOR) {
+        return client_ip.cloned();
+    }
     let mut chain = Vec::new();
-    for value in earlier.iter() {
+    for value in headers.get_all(X_FORWARDED_FOR) {
         let v = value.as_bytes().trim_ascii();
         if !v.is_empty() {
             chain.extend_from_slice(v);
             chain.extend_from_slice(b", ");
         }
     }
-    chain.extend_from_slice(ip.as_bytes());
-    match HeaderValue::from_bytes(&chain) {
-        Ok(joined) => {
-            earlier.insert(joined);
-        }
-        Err(_) => {
-            earlier.remove();
-        }
+    match client_ip {
+        Some(ip) => chain.extend_from_slice(ip.as_bytes()),
+        None => chain.truncate(chain.len().saturating_sub(2)),
     }
+    HeaderValue::from_bytes(&chain)
+        .ok()
+        .filter(|v| !v.is_empty())
 }
 
 /// Makes an upstream's headers fit to send to the client: hop-by-hop fields and a forged
@@ -444,6 +505,24 @@ mod tests {
         assert_eq!(got.as_str(), "/api/*");
     }
 
+    /// The head `forward` writes upstream for a request with `headers` from 192.0.2.7.
+    fn head_sent(headers: http::HeaderMap) -> String {
+        let (mut parts, ()) = Request::post("/pay").body(()).unwrap().into_parts();
+        parts.headers = headers;
+        strip_hop_by_hop(&mut parts.headers);
+        let ip = HeaderValue::from_static("192.0.2.7");
+        let forwarded = ForwardedFields::new(&parts.headers, &parts.uri, Some(&ip));
+        let upstream_host = HeaderValue::from_static("127.0.0.1:3000");
+        let set = forwarded.set(&upstream_host);
+        let own = OwnFields {
+            set: set.as_slice(),
+            replaced: &FORWARDER_FIELDS,
+        };
+        let mut out = Vec::new();
+        client::encode_head(&parts, &own, client::BodyLength::Exact(2), &mut out);
+        String::from_utf8(out).unwrap()
+    }
+
     #[test]
     fn request_headers_lose_hop_by_hop_and_gain_forwarded() {
         let mut h = http::HeaderMap::new();
@@ -462,30 +541,54 @@ mod tests {
             "x-forwarded-host",
             HeaderValue::from_static("spoofed.example"),
         );
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2"));
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
-        let host = h.get(HOST).cloned();
-        prepare_request_headers(&mut h, Some(HeaderValue::from_static("192.0.2.7")), host);
-        for gone in [
-            "connection",
-            "x-hop",
-            "keep-alive",
-            "te",
-            "upgrade",
-            "proxy-authorization",
-            "idempotent-replayed",
-            "host",
-        ] {
-            assert!(!h.contains_key(gone), "{gone} should be stripped");
-        }
-        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 192.0.2.7");
-        assert_eq!(h["x-forwarded-proto"], "http");
-        assert_eq!(h["x-forwarded-host"], "public.example");
+        h.insert("content-length", HeaderValue::from_static("2"));
         assert_eq!(
-            h["idempotency-key"], "k1",
-            "the key is forwarded so the upstream can deduplicate too"
+            head_sent(h),
+            "POST /pay HTTP/1.1\r\n\
+             host: 127.0.0.1:3000\r\n\
+             x-forwarded-for: 10.0.0.1, 10.0.0.2, 192.0.2.7\r\n\
+             x-forwarded-proto: http\r\n\
+             x-forwarded-host: public.example\r\n\
+             idempotency-key: k1\r\n\
+             content-length: 2\r\n\r\n",
+            "hop-by-hop fields, a forged replay mark and the client's own Host and \
+             X-Forwarded-* are not sent; the key is, so the upstream can deduplicate too"
         );
+    }
+
+    #[test]
+    fn request_without_host_or_chain_gets_the_client_address_alone() {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            "x-forwarded-host",
+            HeaderValue::from_static("spoofed.example"),
+        );
+        h.insert("x-forwarded-for", HeaderValue::from_static("  "));
+        assert_eq!(
+            head_sent(h),
+            "POST /pay HTTP/1.1\r\n\
+             host: 127.0.0.1:3000\r\n\
+             x-forwarded-for: 192.0.2.7\r\n\
+             x-forwarded-proto: http\r\n\
+             content-length: 2\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn without_a_client_address_the_chain_passes_as_it_came() {
+        let mut h = http::HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2 "));
+        assert_eq!(
+            forwarded_for(&h, None).unwrap(),
+            "10.0.0.1, 10.0.0.2",
+            "fields joined into one"
+        );
+        assert_eq!(forwarded_for(&http::HeaderMap::new(), None), None);
     }
 
     #[test]

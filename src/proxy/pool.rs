@@ -192,7 +192,12 @@ mod tests {
     use hyper_util::rt::TokioIo;
 
     use super::*;
-    use crate::proxy::client::BodyReader;
+    use crate::proxy::client::{BodyReader, OwnFields};
+
+    /// A deadline no test reaches.
+    fn soon() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(30)
+    }
 
     async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -232,7 +237,13 @@ mod tests {
             .unwrap()
             .into_parts();
         let response = connection
-            .send(&head, &mut Empty::<Bytes>::new(), &mut None)
+            .send(
+                &head,
+                &OwnFields::default(),
+                &mut Empty::<Bytes>::new(),
+                &mut None,
+                soon(),
+            )
             .await
             .unwrap();
         let mut reader = BodyReader::new(&response, connection);

@@ -24,7 +24,7 @@ use tower_service::Service;
 
 use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
-use super::forward::{ClientAddr, Forwarder};
+use super::forward::Forwarder;
 use super::metrics::{InstrumentedStore, Metrics};
 use crate::IdempotencyLayer;
 use crate::body::ResponseBody;
@@ -178,7 +178,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         settings.upstream_connect_timeout,
         Arc::clone(&metrics),
     );
-    let service = layer.layer(forwarder);
+    // One service per client connection: its forwarder knows the client's address.
+    let service_for = move |peer| layer.layer(forwarder.for_client(peer));
 
     let listener = bind("listen", settings.listen).await?;
     let admin_listener = bind("admin_listen", settings.admin_listen).await?;
@@ -223,7 +224,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let builder = proxy_builder(&limits);
     let accept = accept_loop(
         listener,
-        service,
+        service_for,
         Arc::clone(&metrics),
         builder,
         Arc::clone(&connections),
@@ -309,7 +310,7 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
 
 async fn accept_loop<S, B>(
     listener: TcpListener,
-    service: S,
+    service_for: impl Fn(SocketAddr) -> S,
     metrics: Arc<Metrics>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Semaphore>,
@@ -341,8 +342,8 @@ async fn accept_loop<S, B>(
         };
         let _ = stream.set_nodelay(true);
         let front = Front {
-            inner: service.clone(),
-            client: ClientAddr::new(peer),
+            inner: service_for(peer),
+            peer,
             metrics: Arc::clone(&metrics),
             limits,
         };
@@ -380,43 +381,74 @@ async fn serve_connection<S, B>(
     });
     let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);
-    let mut closing = false;
-    if *stop.borrow_and_update() {
+    // The stop signal and the watchdog are registered with the task once; after that each
+    // wake-up of the connection (nearly all of them I/O) only looks at two flags instead of
+    // polling both.
+    let probe = stop.clone();
+    let mut closing = *stop.borrow_and_update();
+    if closing {
         conn.as_mut().graceful_shutdown();
-        closing = true;
     }
+    let stopped = stop.changed();
+    tokio::pin!(stopped);
+    let mut stop_registered = false;
     // The watchdog looks at the connection a few times per allowed quiet period instead of
     // every read and write reading the clock: a quiet connection is closed after its period
     // and at most a quarter more.
     let mut last_moved = Instant::now();
-    loop {
-        let allowed = activity.allowed_quiet(&limits);
-        let check = tokio::time::sleep(allowed / WATCHDOG_CHECKS);
-        tokio::select! {
-            result = conn.as_mut() => {
-                if let Err(error) = result {
-                    tracing::debug!(error = %error, "client connection ended with an error");
-                }
-                return;
+    let mut allowed = activity.allowed_quiet(&limits);
+    let check = tokio::time::sleep(allowed / WATCHDOG_CHECKS);
+    tokio::pin!(check);
+    let mut check_registered = false;
+    let result = std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(result) = conn.as_mut().poll(cx) {
+                return Poll::Ready(result);
             }
-            changed = stop.changed(), if !closing => {
-                let _ = changed;
+            if closing {
+                return Poll::Pending;
+            }
+            // Polled once, the signal wakes this task when it changes.
+            let stop_now = if stop_registered {
+                probe.has_changed().unwrap_or(true)
+            } else {
+                stop_registered = true;
+                stopped.as_mut().poll(cx).is_ready()
+            };
+            if stop_now {
                 conn.as_mut().graceful_shutdown();
                 closing = true;
+                continue;
             }
-            () = check, if !closing => {
-                let now = Instant::now();
-                if activity.take_moved() {
-                    last_moved = now;
-                } else if now.duration_since(last_moved) >= allowed {
-                    // No bytes either way for the idle timeout (or none at all since the
-                    // connection opened, for the header timeout): close it. An HTTP/1.1
-                    // request in progress still gets its response first.
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
-                }
+            // Polled once per deadline, the timer wakes this task when it fires.
+            if check_registered && !check.is_elapsed() {
+                return Poll::Pending;
             }
+            check_registered = true;
+            if check.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let now = Instant::now();
+            if activity.take_moved() {
+                last_moved = now;
+            } else if now.duration_since(last_moved) >= allowed {
+                // No bytes either way for the idle timeout (or none at all since the
+                // connection opened, for the header timeout): close it. An HTTP/1.1 request
+                // in progress still gets its response first.
+                conn.as_mut().graceful_shutdown();
+                closing = true;
+                continue;
+            }
+            allowed = activity.allowed_quiet(&limits);
+            check
+                .as_mut()
+                .reset(tokio::time::Instant::from_std(now) + allowed / WATCHDOG_CHECKS);
+            check_registered = false;
         }
+    })
+    .await;
+    if let Err(error) = result {
+        tracing::debug!(error = %error, "client connection ended with an error");
     }
 }
 
@@ -516,12 +548,13 @@ impl AsyncWrite for ActivityIo {
     }
 }
 
-/// The outermost per-connection service: refuses a request over the header limits, tags each
-/// request with the client's address, and logs and counts what the layer decided.
+/// The outermost per-connection service: refuses a request over the header limits, and logs
+/// and counts what the layer decided.
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
-    client: ClientAddr,
+    /// The client.
+    peer: SocketAddr,
     metrics: Arc<Metrics>,
     limits: Limits,
 }
@@ -571,16 +604,15 @@ where
     type Error = Infallible;
     type Future = FrontFuture<S::Future, B>;
 
-    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
         let refused = over_header_limits(&req, &self.limits);
-        req.extensions_mut().insert(self.client.clone());
         let log = RequestLog {
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
             uri: req.uri().clone(),
             started: Instant::now(),
             metrics: Arc::clone(&self.metrics),
-            peer: self.client.addr(),
+            peer: self.peer,
         };
         if let Some(problem) = refused {
             let response = problem.into_response().map(B::problem);

@@ -262,7 +262,8 @@ impl Completion {
             TAG_RESPONSE => {
                 need(&bytes, 4)?;
                 let count = bytes.get_u32() as usize;
-                let mut headers = HeaderMap::with_capacity(count.min(256));
+                // One more than stored: a replay adds `Idempotent-Replayed`.
+                let mut headers = HeaderMap::with_capacity(count.min(256) + 1);
                 for _ in 0..count {
                     need(&bytes, 4)?;
                     let n = bytes.get_u32() as usize;

@@ -287,6 +287,10 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         // hyper's own limits sit above the configured ones, which the front service checks
         // and answers with a problem response; only a request past hyper's gets its bare 431.
         .max_buf_size(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
+        // Head and body in one buffer, written with one plain write: for the small answers
+        // a gateway mostly carries, copying the body costs less than queueing it for a
+        // vectored write (about 600 instructions per request less, by callgrind).
+        .writev(false)
         .keep_alive(true);
     // hyper parses a head into room for its default number of fields on the stack; any limit
     // set explicitly costs a fill (and past that number an allocation) per request, so one

@@ -293,7 +293,7 @@ pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery
 /// The request fields the forwarder sets itself: `Host` (the upstream's authority) and the
 /// `X-Forwarded-*` fields, and `Idempotent-Replayed`, which only idemgate sets and is never
 /// sent upstream. The client's fields of these names are not sent as they came.
-pub const FORWARDER_FIELDS: [HeaderName; 5] = [
+const FORWARDER_FIELDS: [HeaderName; 5] = [
     HOST,
     X_FORWARDED_FOR,
     X_FORWARDED_PROTO,
@@ -311,7 +311,7 @@ static PROTO_HTTP: HeaderValue = HeaderValue::from_static("http");
 
 /// The values of the fields in [`FORWARDER_FIELDS`] that a request gets upstream.
 #[derive(Debug)]
-pub struct ForwardedFields {
+struct ForwardedFields {
     /// `X-Forwarded-For`: the client's chain, if any, then the client's address.
     forwarded_for: Option<HeaderValue>,
     /// `X-Forwarded-Host`: the client's `Host` (or, over HTTP/2, the `:authority`).
@@ -321,7 +321,7 @@ pub struct ForwardedFields {
 impl ForwardedFields {
     /// The values for a request with `headers` and `target` from the client at `client_ip`.
     /// A client's own `X-Forwarded-Host` is dropped, never passed on.
-    pub fn new(headers: &http::HeaderMap, target: &Uri, client_ip: Option<&HeaderValue>) -> Self {
+    fn new(headers: &http::HeaderMap, target: &Uri, client_ip: Option<&HeaderValue>) -> Self {
         let forwarded_host = headers.get(HOST).cloned().or_else(|| {
             target
                 .authority()
@@ -334,7 +334,7 @@ impl ForwardedFields {
     }
 
     /// The fields to write, with `host` as `Host`.
-    pub fn set<'a>(&'a self, host: &'a HeaderValue) -> FieldList<'a> {
+    fn set<'a>(&'a self, host: &'a HeaderValue) -> FieldList<'a> {
         let mut list = FieldList {
             fields: [(&HOST_FIELD, host); 4],
             len: 1,
@@ -351,7 +351,7 @@ impl ForwardedFields {
 }
 
 /// Up to four fields, kept on the stack.
-pub struct FieldList<'a> {
+struct FieldList<'a> {
     fields: [(&'a HeaderName, &'a HeaderValue); 4],
     len: usize,
 }
@@ -363,7 +363,7 @@ impl<'a> FieldList<'a> {
     }
 
     /// The fields, in order.
-    pub fn as_slice(&self) -> &[(&'a HeaderName, &'a HeaderValue)] {
+    fn as_slice(&self) -> &[(&'a HeaderName, &'a HeaderValue)] {
         &self.fields[..self.len]
     }
 }

@@ -208,6 +208,9 @@ impl Connection {
         if taken > length.most() {
             return Err(SendError::BodyBeforeSent(LONGER_THAN_DECLARED.into()));
         }
+        if ended && matches!(length, BodyLength::Exact(n) if n != taken) {
+            return Err(SendError::BodyBeforeSent(SHORTER_THAN_DECLARED.into()));
+        }
         let out = &mut self.out;
         out.clear();
         encode_head(head, own, length, out);
@@ -215,10 +218,23 @@ impl Connection {
         if coalesced && let Some(data) = first.as_ref() {
             encode_data(data, length, out);
         }
-        if let Err(error) = self.io.write_all(&self.out).await {
-            // `out` did not all go out: the upstream has at most part of the head and of the
-            // first frame, not a request it could act on.
-            return Err(SendError::Unused(error));
+        let mut sent = 0;
+        while sent < self.out.len() {
+            let error = match self.io.write(&self.out[sent..]).await {
+                Ok(0) => io::ErrorKind::WriteZero.into(),
+                Ok(n) => {
+                    sent += n;
+                    continue;
+                }
+                Err(error) => error,
+            };
+            // Nothing written: the request may go on another connection. Part of it
+            // written: the upstream holds a beginning it may act on, so it is not sent again.
+            return Err(if sent == 0 {
+                SendError::Unused(error)
+            } else {
+                SendError::NoResponse(ClientError::Io(error))
+            });
         }
         // From here on the request is the upstream's: nothing of it can be sent again.
         let (written, pending) = if coalesced {
@@ -317,6 +333,7 @@ impl BodyLength {
 
 /// What a body that yields more than its length said is refused with.
 const LONGER_THAN_DECLARED: &str = "the request body is longer than its declared length";
+const SHORTER_THAN_DECLARED: &str = "the request body is shorter than its declared length";
 
 fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes>) -> BodyLength {
     let taken = first.map_or(0, |b| b.len() as u64);
@@ -378,9 +395,7 @@ where
     match length {
         BodyLength::Chunked => io.write_all(b"0\r\n\r\n").await?,
         BodyLength::Exact(n) if written != n => {
-            return Err(ClientError::RequestBody(
-                "the request body is shorter than its declared length".into(),
-            ));
+            return Err(ClientError::RequestBody(SHORTER_THAN_DECLARED.into()));
         }
         _ => {}
     }
@@ -1339,6 +1354,46 @@ mod tests {
         assert!(
             server.await.unwrap().is_empty(),
             "nothing of a body longer than declared goes out"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_that_ends_short_of_its_length_is_refused_before_sending() {
+        let (addr, server) = scripted(vec![b"HTTP/1.1 200 OK\r\n\r\n"], Pace::Whole).await;
+        let mut connection = connect(addr).await;
+        /// Says 10 bytes, gives 5 and ends.
+        struct Short(Option<Bytes>);
+        impl Body for Short {
+            type Data = Bytes;
+            type Error = std::convert::Infallible;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+                Poll::Ready(self.0.take().map(|data| Ok(http_body::Frame::data(data))))
+            }
+            fn is_end_stream(&self) -> bool {
+                self.0.is_none()
+            }
+            fn size_hint(&self) -> http_body::SizeHint {
+                http_body::SizeHint::with_exact(10)
+            }
+        }
+        let error = connection
+            .send(
+                &head(Method::PUT, "/"),
+                &OwnFields::default(),
+                &mut Short(Some(Bytes::from_static(b"12345"))),
+                &mut None,
+                soon(),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(error, SendError::BodyBeforeSent(_)), "{error:?}");
+        drop(connection);
+        assert!(
+            server.await.unwrap().is_empty(),
+            "nothing of a body shorter than declared goes out"
         );
     }
 

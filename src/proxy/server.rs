@@ -417,7 +417,11 @@ async fn serve_connection<S, B>(
                 probe.has_changed().unwrap_or(true)
             } else {
                 stop_registered = true;
-                stopped.as_mut().poll(cx).is_ready()
+                // Outside the task's cooperative budget: a poll refused for want of budget
+                // would register nothing, and this loop does not poll it again.
+                Pin::new(&mut tokio::task::unconstrained(stopped.as_mut()))
+                    .poll(cx)
+                    .is_ready()
             };
             if stop_now {
                 conn.as_mut().graceful_shutdown();
@@ -429,7 +433,10 @@ async fn serve_connection<S, B>(
                 return Poll::Pending;
             }
             check_registered = true;
-            if check.as_mut().poll(cx).is_pending() {
+            if Pin::new(&mut tokio::task::unconstrained(check.as_mut()))
+                .poll(cx)
+                .is_pending()
+            {
                 return Poll::Pending;
             }
             let now = Instant::now();

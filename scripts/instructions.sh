@@ -84,7 +84,7 @@ warm_up "http://$FLOOR/v1/payments" post
 dump=$(measure "$FLOOR_PID" "http://$FLOOR/v1/payments" post "$TMP/wrk-floor.out")
 requests=$(awk '/requests in/ {print $1}' "$TMP/wrk-floor.out")
 row "upstream alone (hyper)" "$requests" "$dump"
-kill "$FLOOR_PID"; wait "$FLOOR_PID" 2>/dev/null || true
+stop_pid "$FLOOR_PID"
 
 # --- idemgate, memory store ----------------------------------------------------------------
 start_upstream "$SERVER_CPU"
@@ -121,7 +121,7 @@ for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
     dump=$(measure "$pid" "http://$gateway$path" "$script" "$TMP/wrk.out")
     after=$(answered "$admin")
     row "idemgate $label" $((after - before)) "$dump"
-    kill "$pid"; wait "$pid" 2>/dev/null || true
+    stop_pid "$pid"
     rm -f "$TMP"/cg."$pid"*
 done
 

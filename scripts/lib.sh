@@ -38,6 +38,21 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# Forgets pid $1 once it has been reaped, so cleanup never signals a number the system may
+# have given to another process since.
+forget_pid() {
+    local kept=() pid
+    for pid in "${PIDS[@]}"; do [ "$pid" = "$1" ] || kept+=("$pid"); done
+    PIDS=("${kept[@]}")
+}
+
+# Stops pid $1 (started by this script), reaps it and forgets it.
+stop_pid() {
+    kill "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+    forget_pid "$1"
+}
+
 # Builds the release binaries the scripts run (extra cargo flags as arguments); sets BIN.
 build_release() {
     log "building release binaries"

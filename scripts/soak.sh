@@ -52,6 +52,7 @@ while kill -0 "$WRK" 2>/dev/null && [ "$elapsed" -lt "$DURATION" ]; do
     printf '%4d s  RSS %7d KiB\n' "$elapsed" "$rss"
 done
 wait "$WRK" || die "wrk failed: $(cat "$TMP/wrk.out")"
+forget_pid "$WRK"
 grep -E 'requests in|Requests/sec|Non-2xx|Socket errors' "$TMP/wrk.out" || true
 
 # Flat: the second half of the run never goes above the first half's highest sample.

@@ -16,11 +16,14 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
     UPGRADE,
 ];
 
+/// [`HOP_BY_HOP`] in a static, lent out without building the array per call.
+static HOP_BY_HOP_NAMES: [HeaderName; 9] = HOP_BY_HOP;
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few
     // names is cheaper than hashing each listed name to find it absent.
-    if !has_any(headers, &HOP_BY_HOP) {
+    if !has_any(headers, &HOP_BY_HOP_NAMES) {
         return;
     }
     if headers.contains_key(CONNECTION) {
@@ -35,7 +38,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
+    for name in &HOP_BY_HOP_NAMES {
         headers.remove(name);
     }
 }
@@ -43,9 +46,15 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// Removes the field `name` (every value of it). A lookup that finds nothing, the usual case
 /// for the fields this is used for, costs a pass over the names instead of a hash.
 pub fn remove(headers: &mut HeaderMap, name: &HeaderName) {
-    if has_any(headers, std::slice::from_ref(name)) {
+    if contains(headers, name) {
         headers.remove(name);
     }
+}
+
+/// Whether the message has a field `name`. Like [`remove`], a pass over the names instead of
+/// a hash: cheaper for a field most messages lack.
+pub fn contains(headers: &HeaderMap, name: &HeaderName) -> bool {
+    has_any(headers, std::slice::from_ref(name))
 }
 
 /// Whether any of `names` is among the message's field names.

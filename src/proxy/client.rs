@@ -214,10 +214,11 @@ impl Connection {
         let out = &mut self.out;
         out.clear();
         encode_head(head, own, length, out);
-        let coalesced = first.as_ref().is_some_and(|b| b.len() <= COALESCE_BODY);
-        if coalesced && let Some(data) = first.as_ref() {
-            encode_data(data, length, out);
-        }
+        let coalesced = first
+            .as_ref()
+            .filter(|data| data.len() <= COALESCE_BODY)
+            .map(|data| encode_data(data, length, out))
+            .is_some();
         let mut sent = 0;
         while sent < self.out.len() {
             let error = match self.io.write(&self.out[sent..]).await {
@@ -237,11 +238,8 @@ impl Connection {
             });
         }
         // From here on the request is the upstream's: nothing of it can be sent again.
-        let (written, pending) = if coalesced {
-            (taken, first.take().and(None))
-        } else {
-            (0, first.take())
-        };
+        let pending = first.take().filter(|_| !coalesced);
+        let written = if coalesced { taken } else { 0 };
         if ended && pending.is_none() && length != BodyLength::Chunked {
             // The whole request is out: only the answer is left.
             return read_head(&mut self.io, &mut self.read, &mut self.spans, &head.method)

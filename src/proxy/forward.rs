@@ -202,7 +202,7 @@ enum SendError {
     /// No connection could be had: nothing was sent.
     #[error(transparent)]
     Connect(ConnectError),
-    /// The deadline passed while connecting (after an idle connection failed).
+    /// The request's deadline passed before a new connection was made.
     #[error("the upstream did not connect in time")]
     ConnectTimedOut,
     /// The connection was had; the exchange on it failed (see [`client::SendError`]).
@@ -293,7 +293,7 @@ pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery
 /// The request fields the forwarder sets itself: `Host` (the upstream's authority) and the
 /// `X-Forwarded-*` fields, and `Idempotent-Replayed`, which only idemgate sets and is never
 /// sent upstream. The client's fields of these names are not sent as they came.
-const FORWARDER_FIELDS: [HeaderName; 5] = [
+static FORWARDER_FIELDS: [HeaderName; 5] = [
     HOST,
     X_FORWARDED_FOR,
     X_FORWARDED_PROTO,
@@ -374,8 +374,7 @@ fn forwarded_for(
     headers: &http::HeaderMap,
     client_ip: Option<&HeaderValue>,
 ) -> Option<HeaderValue> {
-    // Most requests carry no chain: a pass over the few names instead of a hash.
-    if !headers.keys().any(|name| name == X_FORWARDED_FOR) {
+    if !crate::headers::contains(headers, &X_FORWARDED_FOR) {
         return client_ip.cloned();
     }
     let mut chain = Vec::new();

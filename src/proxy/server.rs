@@ -152,8 +152,7 @@ pub async fn open_store(
 /// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    // Every route's policy, the default first: counted by name, and looked up by the admin
-    // record endpoints.
+    // Every route's policy, the default first, for the admin record endpoints.
     let policies: Vec<RoutePolicy> = std::iter::once(settings.default_route.clone())
         .chain(settings.routes.iter().map(|r| r.policy.clone()))
         .collect();
@@ -271,7 +270,8 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunEr
         .map_err(|source| RunError::Bind { what, addr, source })
 }
 
-/// How far above the configured header limits hyper's own are set (see [`Front`]).
+/// How far above the configured header limits hyper's own are set (see [`Front`]); a
+/// `max_headers` under hyper's default leaves hyper at that default instead.
 const HYPER_LIMITS_FACTOR: usize = 2;
 /// The header fields hyper accepts when no limit is set.
 const HYPER_DEFAULT_MAX_HEADERS: usize = 100;

@@ -214,8 +214,20 @@ impl RedbStore {
         // Create the tables now, so reads never find them missing, and bring a file in the
         // first layout over.
         let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-        migrate_v1(&txn).map_err(open_error)?;
+        let migrated = migrate_v1(&txn).map_err(open_error)?;
         txn.commit().map_err(|e| open_error(e.into()))?;
+        // Logged once the migration is committed.
+        match migrated {
+            Some(Migrated { moved, unreadable }) if unreadable > 0 => tracing::warn!(
+                moved,
+                unreadable,
+                "redb file migrated; unreadable records were not carried over"
+            ),
+            Some(Migrated { moved, .. }) => {
+                tracing::info!(moved, "redb file migrated to the current layout")
+            }
+            None => {}
+        }
         let rows = RowIndex::load(&db).map_err(open_error)?;
 
         let db = Arc::new(db);
@@ -528,15 +540,21 @@ impl RowIndex {
     }
 }
 
+/// How many records [`migrate_v1`] carried over, and how many it could not read.
+struct Migrated {
+    moved: u64,
+    unreadable: u64,
+}
+
 /// Creates the tables, and rewrites a file in the first layout (records by record key) in
 /// the current one, keeping every record and its expiry. A file without the old tables is
-/// left as it is.
-fn migrate_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
+/// left as it is (`None`).
+fn migrate_v1(txn: &redb::WriteTransaction) -> Result<Option<Migrated>, redb::Error> {
     let mut records = txn.open_table(RECORDS)?;
     let mut expiries = txn.open_table(EXPIRIES)?;
     let v1 = RECORDS_V1.name();
     if !txn.list_tables()?.any(|table| table.name() == v1) {
-        return Ok(());
+        return Ok(None);
     }
     let mut next = match records.last()? {
         Some((row, _)) => row.value().saturating_add(1),
@@ -561,16 +579,7 @@ fn migrate_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
     }
     txn.delete_table(RECORDS_V1)?;
     txn.delete_table(EXPIRIES_V1)?;
-    if unreadable > 0 {
-        tracing::warn!(
-            moved,
-            unreadable,
-            "redb file migrated; unreadable records were not carried over"
-        );
-    } else {
-        tracing::info!(moved, "redb file migrated to the current layout");
-    }
-    Ok(())
+    Ok(Some(Migrated { moved, unreadable }))
 }
 
 fn now_ms() -> u64 {

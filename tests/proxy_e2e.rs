@@ -775,6 +775,85 @@ async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_trickled_head_is_cut_off_but_a_slow_response_keeps_its_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = setup_with("[limits]\nheader_read_timeout = \"300ms\"").await;
+
+    // A head that gains a byte every 50 ms but never ends: closed while bytes still come.
+    let stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let closed = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let _ = read.read_to_end(&mut out).await;
+        out
+    });
+    write
+        .write_all(b"POST /trickle HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        .await
+        .unwrap();
+    let mut trickled = 0;
+    while !closed.is_finished() && trickled < 200 {
+        if write.write_all(b"v").await.is_err() {
+            break;
+        }
+        trickled += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("the connection was closed")
+        .unwrap();
+    assert!(trickled < 200, "the trickled head was never cut off");
+    assert!(!String::from_utf8_lossy(&answer).contains("201"));
+    assert_eq!(s.upstream.hits("/trickle"), 0);
+
+    // A response that takes four times the header timeout neither loses its connection nor
+    // closes it: the next request on the same connection is served.
+    let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    for (n, delay) in [(1, "1200"), (2, "0")] {
+        let request = format!(
+            "POST /slow-{n} HTTP/1.1\r\nHost: x\r\nX-Delay-Ms: {delay}\r\nContent-Length: 1\r\n\r\nx"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let head = read_response(&mut stream).await;
+        assert!(head.starts_with("HTTP/1.1 201"), "request {n}: {head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("connection: close"),
+            "request {n}: {head}"
+        );
+    }
+}
+
+/// Reads one response with a `Content-Length` body off `stream` and returns its head.
+async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+            let length: usize = head
+                .lines()
+                .find_map(|line| {
+                    let (name, value) = line.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse().ok())?
+                })
+                .expect("a Content-Length");
+            if buf.len() >= end + 4 + length {
+                return head;
+            }
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
+            .await
+            .expect("a response within 10 s")
+            .unwrap();
+        assert!(n > 0, "closed before a whole response: {buf:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn requests_over_the_header_limits_get_a_431_problem() {
     let s = setup_with("[limits]\nmax_headers = 20\nmax_header_bytes = \"8KiB\"").await;
     let names: Vec<String> = (0..25).map(|i| format!("x-field-{i}")).collect();

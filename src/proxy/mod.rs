@@ -12,6 +12,7 @@
 //! - [`pool`]: the keep-alive connections to the upstream.
 //! - [`client`]: HTTP/1.1 on one upstream connection: the request out, the response in.
 //! - [`server`]: the listeners, connection limits, graceful shutdown.
+//! - `watchdog`: closes client connections too slow to send a head, or idle too long.
 //! - [`admin`]: health, readiness, metrics and the record endpoints.
 //! - [`metrics`]: counters, histograms and the instrumented store.
 
@@ -22,6 +23,7 @@ pub mod forward;
 pub mod metrics;
 pub mod pool;
 pub mod server;
+mod watchdog;
 
 use std::io::Write as _;
 use std::path::PathBuf;

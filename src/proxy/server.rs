@@ -16,7 +16,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tower_layer::Layer;
@@ -26,6 +25,7 @@ use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::Forwarder;
 use super::metrics::{InstrumentedStore, Metrics};
+use super::watchdog::{Activity, ActivityIo, InFlight, Verdict, Watchdog};
 use crate::IdempotencyLayer;
 use crate::body::ResponseBody;
 use crate::policy::{OnStoreError, RoutePolicy};
@@ -280,10 +280,9 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
-        // With a timer set, hyper closes a connection whose header block is not complete in
-        // time; the timer also runs while a keep-alive connection waits for its next request.
-        .header_read_timeout(limits.header_read_timeout)
+        // The watchdog enforces the header timeout (see `watchdog`): hyper's own would set a
+        // timer per request.
+        .header_read_timeout(None)
         // hyper's own limits sit above the configured ones, which the front service checks
         // and answers with a problem response; only a request past hyper's gets its bare 431.
         .max_buf_size(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
@@ -345,18 +344,20 @@ async fn accept_loop<S, B>(
             }
         };
         let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::default());
         let front = Front {
             inner: service_for(peer),
             peer,
             metrics: Arc::clone(&metrics),
             limits,
+            activity: Arc::clone(&activity),
         };
         let builder = builder.clone();
         let stop = stop.clone();
         let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
             metrics.connection_opened();
-            serve_connection(stream, front, &builder, limits, stop).await;
+            serve_connection(stream, activity, front, &builder, limits, stop).await;
             metrics.connection_closed();
             drop(permit);
         });
@@ -365,6 +366,7 @@ async fn accept_loop<S, B>(
 
 async fn serve_connection<S, B>(
     stream: TcpStream,
+    activity: Arc<Activity>,
     front: Front<S>,
     builder: &auto::Builder<TokioExecutor>,
     limits: Limits,
@@ -378,11 +380,7 @@ async fn serve_connection<S, B>(
     B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let activity = Arc::new(Activity::default());
-    let io = TokioIo::new(ActivityIo {
-        inner: stream,
-        activity: Arc::clone(&activity),
-    });
+    let io = TokioIo::new(ActivityIo::new(stream, Arc::clone(&activity)));
     let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);
     // The stop signal and the watchdog are registered with the task once; after that each
@@ -396,12 +394,10 @@ async fn serve_connection<S, B>(
     let stopped = stop.changed();
     tokio::pin!(stopped);
     let mut stop_registered = false;
-    // The watchdog looks at the connection a few times per allowed quiet period instead of
-    // every read and write reading the clock: a quiet connection is closed after its period
-    // and at most a quarter more.
-    let mut last_moved = Instant::now();
-    let mut allowed = activity.allowed_quiet(&limits);
-    let check = tokio::time::sleep(allowed / WATCHDOG_CHECKS);
+    // The watchdog looks at the connection a few times per limit instead of every read and
+    // write reading the clock or setting a timer.
+    let (mut watchdog, first_look) = Watchdog::new(limits, Instant::now());
+    let check = tokio::time::sleep(first_look);
     tokio::pin!(check);
     let mut check_registered = false;
     let result = std::future::poll_fn(|cx| {
@@ -440,122 +436,28 @@ async fn serve_connection<S, B>(
                 return Poll::Pending;
             }
             let now = Instant::now();
-            if activity.take_moved() {
-                last_moved = now;
-            } else if now.duration_since(last_moved) >= allowed {
-                // No bytes either way for the idle timeout (or none at all since the
-                // connection opened, for the header timeout): close it. An HTTP/1.1 request
-                // in progress still gets its response first.
-                conn.as_mut().graceful_shutdown();
-                closing = true;
-                continue;
+            match watchdog.look(&activity, now) {
+                Verdict::LookIn(wait) => {
+                    check
+                        .as_mut()
+                        .reset(tokio::time::Instant::from_std(now) + wait);
+                    check_registered = false;
+                }
+                Verdict::Close => {
+                    // An HTTP/1.1 request in progress still gets its response first.
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                Verdict::Cut => {
+                    tracing::debug!("no request head in time; connection closed");
+                    return Poll::Ready(Ok(()));
+                }
             }
-            allowed = activity.allowed_quiet(&limits);
-            check
-                .as_mut()
-                .reset(tokio::time::Instant::from_std(now) + allowed / WATCHDOG_CHECKS);
-            check_registered = false;
         }
     })
     .await;
     if let Err(error) = result {
         tracing::debug!(error = %error, "client connection ended with an error");
-    }
-}
-
-/// How many times per allowed quiet period the watchdog looks at a connection.
-const WATCHDOG_CHECKS: u32 = 4;
-
-/// Whether a connection moved bytes since the watchdog last looked. Reads and writes only set
-/// flags: no clock is read per I/O.
-#[derive(Default)]
-struct Activity {
-    moved: AtomicBool,
-    any_read: AtomicBool,
-}
-
-impl Activity {
-    fn touch(&self, read: bool) {
-        self.moved.store(true, Ordering::Relaxed);
-        if read {
-            self.any_read.store(true, Ordering::Relaxed);
-        }
-    }
-
-    fn take_moved(&self) -> bool {
-        self.moved.swap(false, Ordering::Relaxed)
-    }
-
-    /// How long the connection may stay quiet. Before its first byte a connection gets the
-    /// header timeout: hyper's own timer only starts once it knows the protocol.
-    fn allowed_quiet(&self, limits: &Limits) -> Duration {
-        if self.any_read.load(Ordering::Relaxed) {
-            limits.idle_timeout
-        } else {
-            limits.header_read_timeout
-        }
-    }
-}
-
-/// A TCP stream that records when bytes last moved.
-struct ActivityIo {
-    inner: TcpStream,
-    activity: Arc<Activity>,
-}
-
-impl AsyncRead for ActivityIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.activity.touch(true);
-        }
-        result
-    }
-}
-
-impl AsyncWrite for ActivityIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.touch(false);
-        }
-        result
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.touch(false);
-        }
-        result
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
@@ -568,6 +470,8 @@ struct Front<S> {
     peer: SocketAddr,
     metrics: Arc<Metrics>,
     limits: Limits,
+    /// The connection's activity, for the watchdog.
+    activity: Arc<Activity>,
 }
 
 /// A response body the front service can answer a problem with.
@@ -624,6 +528,7 @@ where
             started: Instant::now(),
             metrics: Arc::clone(&self.metrics),
             peer: self.peer,
+            _in_flight: self.activity.request_started(req.version()),
         };
         if let Some(problem) = refused {
             let response = problem.into_response().map(B::problem);
@@ -698,6 +603,8 @@ struct RequestLog {
     started: Instant,
     metrics: Arc<Metrics>,
     peer: SocketAddr,
+    /// Marks the request open for the watchdog until its response is ready.
+    _in_flight: InFlight,
 }
 
 impl RequestLog {

@@ -1,0 +1,359 @@
+//! The client-connection watchdog: closes a connection that is too slow to send a request
+//! head, or quiet for too long.
+//!
+//! I/O and the front service only set flags and counters on a connection's [`Activity`]; the
+//! watchdog reads the clock a few times per allowed period and decides ([`Watchdog::look`]).
+//! This replaces a timer per request (hyper's header-read timer cost about 1 300 instructions
+//! of each request by callgrind: a boxed sleep, its clock read and its timer-wheel entry).
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::config::Limits;
+
+/// How many times per allowed period the watchdog looks at a connection: a limit is enforced
+/// within a quarter of it.
+const CHECKS_PER_PERIOD: u32 = 4;
+
+/// What a client connection did since the watchdog last looked.
+#[derive(Debug, Default)]
+pub(super) struct Activity {
+    /// Bytes moved either way.
+    moved: AtomicBool,
+    /// Bytes written to the client.
+    wrote: AtomicBool,
+    /// Requests whose head has arrived and whose response is not ready yet.
+    open: AtomicUsize,
+    /// A request came over HTTP/2: requests are streams, and there is no head to wait for
+    /// between them.
+    http2: AtomicBool,
+}
+
+impl Activity {
+    /// A request's head arrived; the returned guard marks it finished when dropped.
+    pub(super) fn request_started(self: &Arc<Self>, version: http::Version) -> InFlight {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        if version == http::Version::HTTP_2 {
+            self.http2.store(true, Ordering::Relaxed);
+        }
+        InFlight(Arc::clone(self))
+    }
+
+    /// What happened since the last look; clears the byte flags.
+    fn take(&self) -> Seen {
+        let wrote = self.wrote.swap(false, Ordering::Relaxed);
+        Seen {
+            moved: self.moved.swap(false, Ordering::Relaxed),
+            busy: wrote || self.open.load(Ordering::Relaxed) > 0,
+            http2: self.http2.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A request between its head and its response; see [`Activity::request_started`].
+#[derive(Debug)]
+pub(super) struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One look's worth of [`Activity`].
+#[derive(Clone, Copy, Debug, Default)]
+struct Seen {
+    /// Bytes moved either way.
+    moved: bool,
+    /// A request was open, or response bytes went out: the connection was not waiting for a
+    /// request head.
+    busy: bool,
+    /// The connection is known to be HTTP/2.
+    http2: bool,
+}
+
+/// What the watchdog decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Look again after this long.
+    LookIn(Duration),
+    /// No bytes moved for the idle timeout: close the connection gracefully (an HTTP/1.1
+    /// response in progress is finished first).
+    Close,
+    /// No request head in time, and nothing in progress: drop the connection at once. (A
+    /// graceful close would wait for the head to complete on a connection's first request.)
+    Cut,
+}
+
+/// The clock side of the watchdog for one connection.
+///
+/// - No bytes either way for `idle_timeout` → close gracefully.
+/// - HTTP/1.1 (and a connection whose protocol is not known yet): from the moment it opens,
+///   and again once each response has gone out, the next request head must arrive within
+///   `header_read_timeout`, or the connection is cut. Bytes that trickle in without
+///   completing a head do not extend that time; an idle keep-alive connection is cut by the
+///   same rule.
+///
+/// A waiting period is counted from the first look that finds the connection neither
+/// handling a request nor writing, so it is never cut short; it may run up to a quarter over.
+/// A response body that stalls (no bytes out) for `header_read_timeout` counts as waiting
+/// too: the connection is then closed once that response has finished.
+#[derive(Debug)]
+pub(super) struct Watchdog {
+    limits: Limits,
+    /// When bytes last moved, as of the last look.
+    last_moved: Instant,
+    /// When the connection last was busy, as of the last look: the start of its wait for a
+    /// request head.
+    waiting_since: Instant,
+}
+
+impl Watchdog {
+    /// The watchdog of a connection opened at `now`, and when it first looks.
+    pub(super) fn new(limits: Limits, now: Instant) -> (Self, Duration) {
+        let watchdog = Self {
+            limits,
+            last_moved: now,
+            waiting_since: now,
+        };
+        let first = watchdog.period(false) / CHECKS_PER_PERIOD;
+        (watchdog, first)
+    }
+
+    /// Looks at what the connection did since the last look.
+    pub(super) fn look(&mut self, activity: &Activity, now: Instant) -> Verdict {
+        self.judge(activity.take(), now)
+    }
+
+    fn judge(&mut self, seen: Seen, now: Instant) -> Verdict {
+        if seen.moved {
+            self.last_moved = now;
+        }
+        if seen.busy || seen.http2 {
+            self.waiting_since = now;
+        }
+        let idle = now.saturating_duration_since(self.last_moved) >= self.limits.idle_timeout;
+        let head_late = !seen.http2
+            && now.saturating_duration_since(self.waiting_since) >= self.limits.header_read_timeout;
+        if head_late {
+            Verdict::Cut
+        } else if idle {
+            Verdict::Close
+        } else {
+            Verdict::LookIn(self.period(seen.http2) / CHECKS_PER_PERIOD)
+        }
+    }
+
+    /// The shortest limit that applies.
+    fn period(&self, http2: bool) -> Duration {
+        if http2 {
+            self.limits.idle_timeout
+        } else {
+            self.limits
+                .idle_timeout
+                .min(self.limits.header_read_timeout)
+        }
+    }
+}
+
+/// A client TCP stream that records its traffic on the connection's [`Activity`].
+pub(super) struct ActivityIo {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl ActivityIo {
+    pub(super) fn new(inner: TcpStream, activity: Arc<Activity>) -> Self {
+        Self { inner, activity }
+    }
+
+    fn wrote(&self, result: &Poll<io::Result<usize>>) {
+        if matches!(result, Poll::Ready(Ok(n)) if *n > 0) {
+            self.activity.moved.store(true, Ordering::Relaxed);
+            self.activity.wrote.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl AsyncRead for ActivityIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.activity.moved.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+impl AsyncWrite for ActivityIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(&result);
+        result
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(&result);
+        result
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(header_read_ms: u64, idle_ms: u64) -> Limits {
+        Limits {
+            max_connections: 1,
+            header_read_timeout: Duration::from_millis(header_read_ms),
+            idle_timeout: Duration::from_millis(idle_ms),
+            max_headers: 64,
+            max_header_bytes: 64 * 1024,
+        }
+    }
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// Looks every `step` ms with what `seen(ms)` says, and returns the first look that did
+    /// not just schedule the next: its ms and verdict (or `None` within `until` ms).
+    fn first_verdict(
+        limits: Limits,
+        step: u64,
+        until: u64,
+        seen: impl Fn(u64) -> Seen,
+    ) -> Option<(u64, Verdict)> {
+        let start = Instant::now();
+        let (mut watchdog, _) = Watchdog::new(limits, start);
+        (1..=until / step).map(|k| k * step).find_map(|ms| {
+            match watchdog.judge(seen(ms), start + MS * ms as u32) {
+                Verdict::LookIn(_) => None,
+                verdict => Some((ms, verdict)),
+            }
+        })
+    }
+
+    #[test]
+    fn looks_a_quarter_of_the_shortest_limit_apart() {
+        let (_, first) = Watchdog::new(limits(1000, 60_000), Instant::now());
+        assert_eq!(first, 250 * MS);
+        let (mut http2, _) = Watchdog::new(limits(1000, 60_000), Instant::now());
+        let seen = Seen {
+            http2: true,
+            ..Seen::default()
+        };
+        assert_eq!(
+            http2.judge(seen, Instant::now()),
+            Verdict::LookIn(15_000 * MS)
+        );
+    }
+
+    #[test]
+    fn a_silent_connection_gets_the_header_timeout() {
+        let verdict = first_verdict(limits(1000, 60_000), 250, 5000, |_| Seen::default());
+        assert_eq!(verdict, Some((1000, Verdict::Cut)));
+    }
+
+    #[test]
+    fn trickled_bytes_do_not_extend_the_header_timeout() {
+        let trickle = |_| Seen {
+            moved: true,
+            ..Seen::default()
+        };
+        assert_eq!(
+            first_verdict(limits(1000, 60_000), 250, 5000, trickle),
+            Some((1000, Verdict::Cut))
+        );
+    }
+
+    #[test]
+    fn a_request_in_progress_is_never_cut_and_the_wait_restarts_after_it() {
+        // A request open from 100 ms to 3 000 ms, its response written until 3 200 ms.
+        let seen = |ms| Seen {
+            moved: ms <= 3250,
+            busy: (100..=3250).contains(&ms),
+            http2: false,
+        };
+        // The last busy look is at 3 250 ms; the head wait runs a full second from there.
+        assert_eq!(
+            first_verdict(limits(1000, 60_000), 250, 10_000, seen),
+            Some((4250, Verdict::Cut))
+        );
+    }
+
+    #[test]
+    fn http2_connections_are_closed_only_when_idle() {
+        let seen = |ms| Seen {
+            moved: ms <= 2000,
+            busy: false,
+            http2: true,
+        };
+        assert_eq!(
+            first_verdict(limits(1000, 5000), 250, 20_000, seen),
+            Some((7000, Verdict::Close))
+        );
+    }
+
+    #[test]
+    fn a_request_that_moves_no_bytes_for_the_idle_timeout_is_closed() {
+        // Open the whole time (an upstream that never answers), nothing moving.
+        let seen = |_| Seen {
+            busy: true,
+            ..Seen::default()
+        };
+        assert_eq!(
+            first_verdict(limits(10_000, 3000), 250, 20_000, seen),
+            Some((3000, Verdict::Close))
+        );
+    }
+
+    #[test]
+    fn the_in_flight_guard_counts_open_requests() {
+        let activity = Arc::new(Activity::default());
+        let first = activity.request_started(http::Version::HTTP_11);
+        let second = activity.request_started(http::Version::HTTP_11);
+        assert!(activity.take().busy);
+        drop(first);
+        assert!(activity.take().busy);
+        drop(second);
+        let seen = activity.take();
+        assert!(!seen.busy && !seen.http2);
+        drop(activity.request_started(http::Version::HTTP_2));
+        assert!(activity.take().http2);
+    }
+}

@@ -23,7 +23,7 @@ static HOP_BY_HOP_NAMES: [HeaderName; 9] = HOP_BY_HOP;
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few
     // names is cheaper than hashing each listed name to find it absent.
-    if !has_any(headers, &HOP_BY_HOP_NAMES) {
+    if !headers.keys().any(is_hop_by_hop) {
         return;
     }
     if headers.contains_key(CONNECTION) {
@@ -43,6 +43,23 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Whether `name` is one of [`HOP_BY_HOP`]: one match on the name's text instead of nine
+/// comparisons.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
 /// Removes the field `name` (every value of it). A lookup that finds nothing, the usual case
 /// for the fields this is used for, costs a pass over the names instead of a hash.
 pub fn remove(headers: &mut HeaderMap, name: &HeaderName) {
@@ -54,18 +71,23 @@ pub fn remove(headers: &mut HeaderMap, name: &HeaderName) {
 /// Whether the message has a field `name`. Like [`remove`], a pass over the names instead of
 /// a hash: cheaper for a field most messages lack.
 pub fn contains(headers: &HeaderMap, name: &HeaderName) -> bool {
-    has_any(headers, std::slice::from_ref(name))
-}
-
-/// Whether any of `names` is among the message's field names.
-fn has_any(headers: &HeaderMap, names: &[HeaderName]) -> bool {
-    headers.keys().any(|present| names.contains(present))
+    headers.keys().any(|present| present == name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn the_match_names_exactly_the_listed_fields() {
+        for name in &HOP_BY_HOP {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in ["content-length", "x-connection", "tee", "upgrade-insecure-requests"] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+        }
+    }
 
     #[test]
     fn strips_fixed_and_connection_named_fields() {

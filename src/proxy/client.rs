@@ -411,7 +411,12 @@ where
     R: tokio::io::AsyncRead + Unpin,
 {
     loop {
-        if let Some(head) = parse_head(buf, spans, method)? {
+        // An empty buffer (the usual start) has nothing to parse yet.
+        let parsed = match buf.is_empty() {
+            true => None,
+            false => parse_head(buf, spans, method)?,
+        };
+        if let Some(head) = parsed {
             if head.status.is_informational() {
                 if head.status == StatusCode::SWITCHING_PROTOCOLS {
                     return Err(ClientError::Malformed("an unrequested protocol switch"));
@@ -593,9 +598,11 @@ fn parse_head(
     // Where each field lies in the head, so the values can share its bytes.
     let base = buf.as_ptr() as usize;
     spans.clear();
+    let mut present = FramingFields::default();
     for field in response.headers.iter() {
         let name = HeaderName::from_bytes(field.name.as_bytes())
             .map_err(|_| ClientError::Malformed("bad header name"))?;
+        present.note(&name);
         let start = field.value.as_ptr() as usize - base;
         spans.push((name, start, start + field.value.len()));
     }
@@ -606,16 +613,17 @@ fn parse_head(
             .map_err(|_| ClientError::Malformed("bad header value"))?;
         headers.append(name, value);
     }
-    let framing = framing(&headers, status, method)?;
+    let framing = framing(&headers, present, status, method)?;
     // A response with both length fields is suspect (RFC 9112 §6.3): it is read by its
     // Transfer-Encoding, its Content-Length is not passed on, and the connection is closed
     // after it.
-    let both_lengths =
-        headers.contains_key(TRANSFER_ENCODING) && headers.remove(CONTENT_LENGTH).is_some();
+    let both_lengths = present.transfer_encoding
+        && present.content_length
+        && headers.remove(CONTENT_LENGTH).is_some();
     let keep_alive = version == Version::HTTP_11
         && framing != Framing::UntilClose
         && !both_lengths
-        && !asks_to_close(&headers);
+        && !(present.connection && asks_to_close(&headers));
     Ok(Some(ResponseHead {
         status,
         headers,
@@ -624,10 +632,32 @@ fn parse_head(
     }))
 }
 
-/// How the body of a response to `method` with `status` and `headers` is delimited
-/// (RFC 9112 §6.3).
+/// Which of the fields that frame a response it has, noted while its head is parsed so the
+/// usual response (no `Transfer-Encoding`, no `Connection`) costs no lookup for them.
+#[derive(Clone, Copy, Debug, Default)]
+struct FramingFields {
+    transfer_encoding: bool,
+    content_length: bool,
+    connection: bool,
+}
+
+impl FramingFields {
+    fn note(&mut self, name: &HeaderName) {
+        if name == TRANSFER_ENCODING {
+            self.transfer_encoding = true;
+        } else if name == CONTENT_LENGTH {
+            self.content_length = true;
+        } else if name == CONNECTION {
+            self.connection = true;
+        }
+    }
+}
+
+/// How the body of a response to `method` with `status` and `headers` (which has the framing
+/// fields in `present`) is delimited (RFC 9112 §6.3).
 fn framing(
     headers: &HeaderMap,
+    present: FramingFields,
     status: StatusCode,
     method: &Method,
 ) -> Result<Framing, ClientError> {
@@ -643,7 +673,7 @@ fn framing(
     {
         return Ok(Framing::Empty);
     }
-    if headers.contains_key(TRANSFER_ENCODING) {
+    if present.transfer_encoding {
         let mut last = None;
         for value in headers.get_all(TRANSFER_ENCODING) {
             let value = value
@@ -660,7 +690,10 @@ fn framing(
         });
     }
     let mut length = None;
-    for value in headers.get_all(CONTENT_LENGTH) {
+    let lengths = present
+        .content_length
+        .then(|| headers.get_all(CONTENT_LENGTH));
+    for value in lengths.iter().flatten() {
         for part in value.as_bytes().split(|&b| b == b',') {
             let part = part.trim_ascii();
             if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {

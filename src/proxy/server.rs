@@ -525,7 +525,9 @@ where
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
             uri: req.uri().clone(),
-            started: Instant::now(),
+            // The clock is read only for a line that can be written (every request's line
+            // is `info` or `debug`).
+            started: tracing::enabled!(tracing::Level::INFO).then(Instant::now),
             metrics: Arc::clone(&self.metrics),
             peer: self.peer,
             _in_flight: self.activity.request_started(req.version()),
@@ -600,7 +602,8 @@ where
 struct RequestLog {
     method: http::Method,
     uri: http::Uri,
-    started: Instant,
+    /// When the request came, if its log line can be written.
+    started: Option<Instant>,
     metrics: Arc<Metrics>,
     peer: SocketAddr,
     /// Marks the request open for the watchdog until its response is ready.
@@ -614,7 +617,9 @@ impl RequestLog {
         let path = LoggedPath(self.uri.path());
         let client = self.peer.ip();
         let status = response.status().as_u16();
-        let latency_ms = self.started.elapsed().as_micros() as f64 / 1000.0;
+        let latency_ms = self
+            .started
+            .map_or(0.0, |started| started.elapsed().as_micros() as f64 / 1000.0);
         let Some(outcome) = response.extensions().get::<Outcome>() else {
             tracing::info!(%method, %path, status, latency_ms, %client, "request");
             return;

@@ -84,7 +84,12 @@ mod tests {
         for name in &HOP_BY_HOP {
             assert!(is_hop_by_hop(name), "{name}");
         }
-        for name in ["content-length", "x-connection", "tee", "upgrade-insecure-requests"] {
+        for name in [
+            "content-length",
+            "x-connection",
+            "tee",
+            "upgrade-insecure-requests",
+        ] {
             assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
         }
     }

@@ -268,8 +268,11 @@ impl Completion {
                     need(&bytes, 4)?;
                     let n = bytes.get_u32() as usize;
                     need(&bytes, n)?;
-                    let name = HeaderName::from_bytes(&bytes.split_to(n))
+                    // The name is parsed from the bytes in place (a name is copied or
+                    // matched to a standard one, never shared): no handle on them is taken.
+                    let name = HeaderName::from_bytes(&bytes[..n])
                         .map_err(|_| DecodeError("bad header name"))?;
+                    bytes.advance(n);
                     need(&bytes, 4)?;
                     let n = bytes.get_u32() as usize;
                     need(&bytes, n)?;

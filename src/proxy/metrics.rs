@@ -4,8 +4,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -298,7 +301,7 @@ impl Metrics {
             );
         }
         out.push_str(
-            "# HELP idemgate_store_duration_seconds Time one store call took, by operation.\n\
+            "# HELP idemgate_store_duration_seconds Time one store call waited, by operation (0 if answered at once).\n\
              # TYPE idemgate_store_duration_seconds histogram\n",
         );
         for op in StoreOp::ALL {
@@ -405,39 +408,71 @@ impl InstrumentedStore {
         Self { inner, metrics }
     }
 
-    async fn timed<T>(
-        &self,
-        op: StoreOp,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let mut guard = CallGuard {
+    fn timed<T, F>(&self, op: StoreOp, call: F) -> Timed<'_, F>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        Timed {
+            call,
             op: &self.metrics.store_ops[op as usize],
-            start: Instant::now(),
+            waiting_since: None,
             done: false,
-        };
-        let result = call.await;
-        guard.done = true;
-        if result.is_err() {
-            guard.op.errors.fetch_add(1, Ordering::Relaxed);
         }
-        result
     }
 }
 
-/// Times one store call when dropped, whether it answered or was abandoned (`done` unset).
-struct CallGuard<'a> {
-    op: &'a StoreOpMetrics,
-    start: Instant,
-    done: bool,
-}
+pin_project_lite::pin_project! {
+    /// One store call, timed, its error counted, and counted as abandoned if dropped before
+    /// it answers. The clock is read only once the call has to wait: a call answered at its
+    /// first poll (every memory-store call) is recorded as taking no time, and a call that
+    /// waits is timed from the end of its first poll.
+    struct Timed<'a, F> {
+        #[pin]
+        call: F,
+        op: &'a StoreOpMetrics,
+        waiting_since: Option<Instant>,
+        done: bool,
+    }
 
-impl Drop for CallGuard<'_> {
-    fn drop(&mut self) {
-        self.op.duration.observe(self.start.elapsed());
-        if !self.done {
-            self.op.cancelled.fetch_add(1, Ordering::Relaxed);
+    impl<F> PinnedDrop for Timed<'_, F> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if !*this.done {
+                this.op.cancelled.fetch_add(1, Ordering::Relaxed);
+                this.op.duration.observe(waited(*this.waiting_since));
+            }
         }
     }
+}
+
+impl<T, F> Future for Timed<'_, F>
+where
+    F: Future<Output = Result<T, StoreError>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        match this.call.poll(cx) {
+            Poll::Ready(result) => {
+                *this.done = true;
+                this.op.duration.observe(waited(*this.waiting_since));
+                if result.is_err() {
+                    this.op.errors.fetch_add(1, Ordering::Relaxed);
+                }
+                Poll::Ready(result)
+            }
+            Poll::Pending => {
+                this.waiting_since.get_or_insert_with(Instant::now);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// How long a call has waited, if it ever had to.
+fn waited(since: Option<Instant>) -> Duration {
+    since.map_or(Duration::ZERO, |since| since.elapsed())
 }
 
 #[async_trait]
@@ -579,5 +614,61 @@ mod tests {
             let value = line.rsplit(' ').next().unwrap_or("");
             assert!(value.parse::<f64>().is_ok(), "bad sample line {line:?}");
         }
+    }
+
+    /// A store call that is pending `waits` times before it answers `result`.
+    fn call_after(
+        waits: usize,
+        result: Result<(), StoreError>,
+    ) -> impl Future<Output = Result<(), StoreError>> {
+        let mut left = waits;
+        let mut result = Some(result);
+        std::future::poll_fn(move |cx| {
+            if left == 0 {
+                return Poll::Ready(result.take().expect("polled after it answered"));
+            }
+            left -= 1;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        })
+    }
+
+    #[tokio::test]
+    async fn store_calls_are_timed_counted_and_abandonment_noted() {
+        let op = StoreOpMetrics::default();
+        let timed = |call| Timed {
+            call,
+            op: &op,
+            waiting_since: None,
+            done: false,
+        };
+        // Answered at once: no time, and nothing abandoned.
+        assert!(timed(call_after(0, Ok(()))).await.is_ok());
+        assert_eq!(
+            (
+                op.duration.count(),
+                op.duration.sum_micros.load(Ordering::Relaxed)
+            ),
+            (1, 0)
+        );
+        // Waiting, then failing.
+        let failed = timed(call_after(
+            3,
+            Err(StoreError::Timeout {
+                backend: "memory",
+                after: Duration::from_secs(1),
+            }),
+        ));
+        assert!(failed.await.is_err());
+        assert_eq!(op.duration.count(), 2);
+        assert_eq!(op.errors.load(Ordering::Relaxed), 1);
+        // Dropped while waiting.
+        let mut abandoned = Box::pin(timed(call_after(5, Ok(()))));
+        let noop = &mut Context::from_waker(std::task::Waker::noop());
+        assert!(abandoned.as_mut().poll(noop).is_pending());
+        drop(abandoned);
+        assert_eq!(op.duration.count(), 3);
+        assert_eq!(op.cancelled.load(Ordering::Relaxed), 1);
+        assert_eq!(op.errors.load(Ordering::Relaxed), 1);
     }
 }

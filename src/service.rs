@@ -322,7 +322,9 @@ impl Keyed {
             // is always run, completed or released, whatever the caller does.
             Ok(Claim::Acquired(token)) => {
                 return Step::Run(Box::pin(async move {
-                    let work = self.execute(inner, req, token);
+                    // Built in place and lent out: the work future (large) is not moved into
+                    // each future that awaits it.
+                    let work = std::pin::pin!(self.execute(inner, req, token));
                     self.under_lease(token, work).await
                 }));
             }
@@ -362,7 +364,11 @@ impl Keyed {
     }
 
     /// Runs `work` while renewing the claim `token`'s lease beside it, counted as in flight.
-    async fn under_lease<T>(&self, token: OwnerToken, work: impl Future<Output = T>) -> T {
+    async fn under_lease<T>(
+        &self,
+        token: OwnerToken,
+        work: Pin<&mut impl Future<Output = T>>,
+    ) -> T {
         let _in_flight = self.shared.stats.enter();
         tokio::select! {
             biased;
@@ -453,7 +459,7 @@ impl Keyed {
         digest.update(&head);
         let read = head.len() as u64;
         tokio::spawn(async move {
-            let work = relay.relay_rest(token, status, (digest, read), rest, tx);
+            let work = std::pin::pin!(relay.relay_rest(token, status, (digest, read), rest, tx));
             relay.under_lease(token, work).await;
         });
         let response = Response::from_parts(parts, ResponseBody::relayed(head, rx));

@@ -96,6 +96,34 @@ mod tests {
         fingerprint(&method, &uri.parse().unwrap(), &h, &[CONTENT_TYPE], body)
     }
 
+    /// The hashes are stored in durable records, so their bytes must never change: these
+    /// values were computed by the first implementation (and again, independently, from the
+    /// encoding described at the top of this file).
+    #[test]
+    fn hashes_are_stable_across_versions() {
+        // Bodies past, near and within a few hash blocks.
+        let (big, mid) = (vec![7u8; 1000], vec![9u8; 250]);
+        let cases = [
+            fp(Method::POST, "/v1/pay?x=1", Some("application/json"), b"{}"),
+            fp(Method::PUT, "/", None, &big),
+            fp(Method::PUT, "/", None, &mid),
+        ];
+        let mut h = HeaderMap::new();
+        h.insert(AUTHORIZATION, HeaderValue::from_static("Bearer a"));
+        h.append(AUTHORIZATION, HeaderValue::from_static(""));
+        let key = record_key("payments", &[AUTHORIZATION, CONTENT_TYPE], &h, "order-1001");
+        let hex: Vec<String> = cases.iter().chain([&key]).map(Hash256::to_hex).collect();
+        assert_eq!(
+            hex,
+            [
+                "4e0f64a1502fb012dfedd3e34cd30b35c4e3c89ad8a9a75d00dca084985fb7d3",
+                "16695253cbe363305b643687cbbbd2ad92c3b57a03a7981b35c3078ca5245d11",
+                "a12ddf734ab8c5578afdf5d928607f40f97cbf795603c687f5815a2838fa91ba",
+                "987e4760c5a4de791c32352640e5038abb9bdc8cf19d105ebcb11352abc485d4",
+            ]
+        );
+    }
+
     #[test]
     fn each_part_changes_the_fingerprint() {
         let base = fp(Method::POST, "/a?x=1", Some("application/json"), b"{}");

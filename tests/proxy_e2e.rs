@@ -822,6 +822,63 @@ async fn a_trickled_head_is_cut_off_but_a_slow_response_keeps_its_connection() {
             "request {n}: {head}"
         );
     }
+    // The same connection, having served requests, then trickles a head: closed too.
+    stream
+        .write_all(b"POST /trickle-2 HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        .await
+        .unwrap();
+    let mut closed = false;
+    for _ in 0..200 {
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(50), stream.read(&mut byte)).await {
+            Ok(Ok(0) | Err(_)) => {
+                closed = true;
+                break;
+            }
+            Ok(Ok(_)) => panic!("an answer to a head that never ended"),
+            Err(_) => {
+                let _ = stream.write_all(b"v").await;
+            }
+        }
+    }
+    assert!(closed, "the trickled second head was never cut off");
+    assert_eq!(s.upstream.hits("/trickle-2"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_body_that_pauses_past_the_header_timeout_arrives_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An upstream that sends half its body, pauses for three header timeouts, then the rest.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nfirst")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                let _ = stream.write_all(b"-last").await;
+            });
+        }
+    });
+    let dir = TempDir::new();
+    let path = config(
+        &dir,
+        &format!("http://{addr}"),
+        "[limits]\nheader_read_timeout = \"300ms\"",
+    );
+    let gw = Gateway::start(&["--config", &path]);
+    let response = raw(
+        gw.addr,
+        b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("\r\n\r\nfirst-last"), "{response}");
+    upstream.abort();
 }
 
 /// Reads one response with a `Content-Length` body off `stream` and returns its head.

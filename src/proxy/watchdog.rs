@@ -31,6 +31,8 @@ pub(super) struct Activity {
     wrote: AtomicBool,
     /// Requests whose head has arrived and whose response is not ready yet.
     open: AtomicUsize,
+    /// A request has come on this connection.
+    served: AtomicBool,
     /// A request came over HTTP/2: requests are streams, and there is no head to wait for
     /// between them.
     http2: AtomicBool,
@@ -40,6 +42,7 @@ impl Activity {
     /// A request's head arrived; the returned guard marks it finished when dropped.
     pub(super) fn request_started(self: &Arc<Self>, version: http::Version) -> InFlight {
         self.open.fetch_add(1, Ordering::Relaxed);
+        self.served.store(true, Ordering::Relaxed);
         if version == http::Version::HTTP_2 {
             self.http2.store(true, Ordering::Relaxed);
         }
@@ -52,6 +55,7 @@ impl Activity {
         Seen {
             moved: self.moved.swap(false, Ordering::Relaxed),
             busy: wrote || self.open.load(Ordering::Relaxed) > 0,
+            served: self.served.load(Ordering::Relaxed),
             http2: self.http2.load(Ordering::Relaxed),
         }
     }
@@ -75,6 +79,8 @@ struct Seen {
     /// A request was open, or response bytes went out: the connection was not waiting for a
     /// request head.
     busy: bool,
+    /// A request has come on the connection.
+    served: bool,
     /// The connection is known to be HTTP/2.
     http2: bool,
 }
@@ -84,11 +90,10 @@ struct Seen {
 pub(super) enum Verdict {
     /// Look again after this long.
     LookIn(Duration),
-    /// No bytes moved for the idle timeout: close the connection gracefully (an HTTP/1.1
-    /// response in progress is finished first).
+    /// Close the connection gracefully: an HTTP/1.1 response in progress is finished first.
     Close,
-    /// No request head in time, and nothing in progress: drop the connection at once. (A
-    /// graceful close would wait for the head to complete on a connection's first request.)
+    /// No first request head in time: drop the connection at once. (A graceful close would
+    /// wait for that head to complete.)
     Cut,
 }
 
@@ -97,14 +102,16 @@ pub(super) enum Verdict {
 /// - No bytes either way for `idle_timeout` → close gracefully.
 /// - HTTP/1.1 (and a connection whose protocol is not known yet): from the moment it opens,
 ///   and again once each response has gone out, the next request head must arrive within
-///   `header_read_timeout`, or the connection is cut. Bytes that trickle in without
-///   completing a head do not extend that time; an idle keep-alive connection is cut by the
-///   same rule.
+///   `header_read_timeout`. Bytes that trickle in without completing a head do not extend
+///   that time. A connection that has had no request yet is then cut; one that has is closed
+///   gracefully, which closes an idle keep-alive connection (or one part way through its
+///   next head) at once.
 ///
 /// A waiting period is counted from the first look that finds the connection neither
 /// handling a request nor writing, so it is never cut short; it may run up to a quarter over.
 /// A response body that stalls (no bytes out) for `header_read_timeout` counts as waiting
-/// too: the connection is then closed once that response has finished.
+/// too: the graceful close then lets that response finish and closes the connection after
+/// it.
 #[derive(Debug)]
 pub(super) struct Watchdog {
     limits: Limits,
@@ -142,9 +149,9 @@ impl Watchdog {
         let idle = now.saturating_duration_since(self.last_moved) >= self.limits.idle_timeout;
         let head_late = !seen.http2
             && now.saturating_duration_since(self.waiting_since) >= self.limits.header_read_timeout;
-        if head_late {
+        if head_late && !seen.served {
             Verdict::Cut
-        } else if idle {
+        } else if idle || head_late {
             Verdict::Close
         } else {
             Verdict::LookIn(self.period(seen.http2) / CHECKS_PER_PERIOD)
@@ -307,12 +314,15 @@ mod tests {
         let seen = |ms| Seen {
             moved: ms <= 3250,
             busy: (100..=3250).contains(&ms),
+            served: ms >= 100,
             http2: false,
         };
-        // The last busy look is at 3 250 ms; the head wait runs a full second from there.
+        // The last busy look is at 3 250 ms; the head wait runs a full second from there,
+        // and ends in a graceful close: the connection has served a request, so a response
+        // may still be going out (a body that paused), and hyper finishes it first.
         assert_eq!(
             first_verdict(limits(1000, 60_000), 250, 10_000, seen),
-            Some((4250, Verdict::Cut))
+            Some((4250, Verdict::Close))
         );
     }
 
@@ -320,8 +330,9 @@ mod tests {
     fn http2_connections_are_closed_only_when_idle() {
         let seen = |ms| Seen {
             moved: ms <= 2000,
-            busy: false,
+            served: true,
             http2: true,
+            ..Seen::default()
         };
         assert_eq!(
             first_verdict(limits(1000, 5000), 250, 20_000, seen),
@@ -345,6 +356,7 @@ mod tests {
     #[test]
     fn the_in_flight_guard_counts_open_requests() {
         let activity = Arc::new(Activity::default());
+        assert!(!activity.take().served);
         let first = activity.request_started(http::Version::HTTP_11);
         let second = activity.request_started(http::Version::HTTP_11);
         assert!(activity.take().busy);
@@ -352,7 +364,7 @@ mod tests {
         assert!(activity.take().busy);
         drop(second);
         let seen = activity.take();
-        assert!(!seen.busy && !seen.http2);
+        assert!(!seen.busy && seen.served && !seen.http2);
         drop(activity.request_started(http::Version::HTTP_2));
         assert!(activity.take().http2);
     }

@@ -74,8 +74,8 @@ wait_port() {
     die "$what did not start listening on port $port"
 }
 
-# Started as `"${PIN[@]}" cmd &` (not through a function, which would fork a shell), so `$!`
-# is the server's own pid: taskset execs it.
+# Started as `"${PIN[@]}" cmd &` (not in `$(…)`, which would fork a shell), so `$!` is the
+# server's own pid: taskset execs it.
 PIN=(taskset -c "$SERVER_CPU")
 
 JSON='{"id":"pay_8e03978e40d543e8","object":"payment","amount":2000,"currency":"eur","status":"succeeded","customer":"cus_9s6XKzkNRiz8i3","created":1700000000,"livemode":false,"metadata":{"order":"6735"}}'

@@ -16,9 +16,6 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
     UPGRADE,
 ];
 
-/// [`HOP_BY_HOP`] in a static, lent out without building the array per call.
-static HOP_BY_HOP_NAMES: [HeaderName; 9] = HOP_BY_HOP;
-
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few
@@ -38,7 +35,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP_NAMES {
+    // Only messages that have one get here.
+    for name in HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -62,7 +60,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// Removes the field `name` (every value of it). A lookup that finds nothing, the usual case
 /// for the fields this is used for, costs a pass over the names instead of a hash.
-pub fn remove(headers: &mut HeaderMap, name: &HeaderName) {
+pub(crate) fn remove(headers: &mut HeaderMap, name: &HeaderName) {
     if contains(headers, name) {
         headers.remove(name);
     }
@@ -70,7 +68,7 @@ pub fn remove(headers: &mut HeaderMap, name: &HeaderName) {
 
 /// Whether the message has a field `name`. Like [`remove`], a pass over the names instead of
 /// a hash: cheaper for a field most messages lack.
-pub fn contains(headers: &HeaderMap, name: &HeaderName) -> bool {
+pub(crate) fn contains(headers: &HeaderMap, name: &HeaderName) -> bool {
     headers.keys().any(|present| present == name)
 }
 

@@ -412,9 +412,10 @@ where
 {
     loop {
         // An empty buffer (the usual start) has nothing to parse yet.
-        let parsed = match buf.is_empty() {
-            true => None,
-            false => parse_head(buf, spans, method)?,
+        let parsed = if buf.is_empty() {
+            None
+        } else {
+            parse_head(buf, spans, method)?
         };
         if let Some(head) = parsed {
             if head.status.is_informational() {
@@ -690,6 +691,7 @@ fn framing(
         });
     }
     let mut length = None;
+    // Looked up only when the head has one.
     let lengths = present
         .content_length
         .then(|| headers.get_all(CONTENT_LENGTH));

@@ -40,15 +40,16 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Default time a client gets to send a request's complete header block.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time an idle keep-alive connection stays open.
+/// Default time a connection that moves no bytes either way stays open.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default cap on header fields in one request.
 pub const DEFAULT_MAX_HEADERS: usize = 64;
-/// Default cap on a request's header block in bytes (HTTP/1.1 read buffer; HTTP/2 header list).
+/// Default cap on a request's header block in bytes (checked by the front service; hyper's
+/// own limits are set at twice it).
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Largest accepted `max_connections`.
 pub const MAX_MAX_CONNECTIONS: usize = 1_000_000;
-/// Smallest accepted `max_header_bytes` (hyper's floor for its read buffer).
+/// Smallest accepted `max_header_bytes`: room for a request line and a handful of fields.
 pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
 
 /// A configuration value that was refused.
@@ -147,7 +148,7 @@ pub struct LimitsFile {
     pub max_connections: Option<usize>,
     /// Time a client gets to send a complete header block.
     pub header_read_timeout: Option<String>,
-    /// Time an idle keep-alive connection stays open.
+    /// Time a connection that moves no bytes either way stays open.
     pub idle_timeout: Option<String>,
     /// Cap on header fields per request.
     pub max_headers: Option<usize>,
@@ -441,7 +442,7 @@ pub struct Limits {
     pub max_connections: usize,
     /// Time a client gets to send a complete header block.
     pub header_read_timeout: Duration,
-    /// Time an idle connection stays open.
+    /// Time a connection that moves no bytes either way stays open.
     pub idle_timeout: Duration,
     /// Cap on header fields per request.
     pub max_headers: usize,

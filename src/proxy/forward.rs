@@ -41,6 +41,7 @@ pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-ho
 
 /// Sends requests to the upstream. A clone shares everything (reference counts), so the layer
 /// may clone it per request.
+#[derive(Clone)]
 pub struct Forwarder {
     shared: Arc<ForwarderShared>,
     /// The address of the client whose requests this forwarder sends, as `X-Forwarded-For`
@@ -55,15 +56,6 @@ struct ForwarderShared {
     upstream: Upstream,
     timeout: Duration,
     metrics: Arc<Metrics>,
-}
-
-impl Clone for Forwarder {
-    fn clone(&self) -> Self {
-        Self {
-            shared: Arc::clone(&self.shared),
-            client_ip: self.client_ip.clone(),
-        }
-    }
 }
 
 impl Forwarder {
@@ -301,11 +293,6 @@ static FORWARDER_FIELDS: [HeaderName; 5] = [
     IDEMPOTENT_REPLAYED,
 ];
 
-// The fields as written, in statics: `set` lends them out.
-static HOST_FIELD: HeaderName = HOST;
-static FOR_FIELD: HeaderName = X_FORWARDED_FOR;
-static PROTO_FIELD: HeaderName = X_FORWARDED_PROTO;
-static HOST_FORWARDED_FIELD: HeaderName = X_FORWARDED_HOST;
 /// `X-Forwarded-Proto`'s value: the gateway listens on plain HTTP.
 static PROTO_HTTP: HeaderValue = HeaderValue::from_static("http");
 
@@ -335,16 +322,18 @@ impl ForwardedFields {
 
     /// The fields to write, with `host` as `Host`.
     fn set<'a>(&'a self, host: &'a HeaderValue) -> FieldList<'a> {
+        // The names are lent out of the static list.
+        let [host_name, for_name, proto_name, host_forwarded_name, _] = &FORWARDER_FIELDS;
         let mut list = FieldList {
-            fields: [(&HOST_FIELD, host); 4],
+            fields: [(host_name, host); 4],
             len: 1,
         };
         if let Some(chain) = &self.forwarded_for {
-            list.push(&FOR_FIELD, chain);
+            list.push(for_name, chain);
         }
-        list.push(&PROTO_FIELD, &PROTO_HTTP);
+        list.push(proto_name, &PROTO_HTTP);
         if let Some(original) = &self.forwarded_host {
-            list.push(&HOST_FORWARDED_FIELD, original);
+            list.push(host_forwarded_name, original);
         }
         list
     }

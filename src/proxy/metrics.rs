@@ -408,16 +408,8 @@ impl InstrumentedStore {
         Self { inner, metrics }
     }
 
-    fn timed<T, F>(&self, op: StoreOp, call: F) -> Timed<'_, F>
-    where
-        F: Future<Output = Result<T, StoreError>>,
-    {
-        Timed {
-            call,
-            op: &self.metrics.store_ops[op as usize],
-            waiting_since: None,
-            done: false,
-        }
+    fn timed<F>(&self, op: StoreOp, call: F) -> Timed<'_, F> {
+        Timed::new(&self.metrics.store_ops[op as usize], call)
     }
 }
 
@@ -425,7 +417,8 @@ pin_project_lite::pin_project! {
     /// One store call, timed, its error counted, and counted as abandoned if dropped before
     /// it answers. The clock is read only once the call has to wait: a call answered at its
     /// first poll (every memory-store call) is recorded as taking no time, and a call that
-    /// waits is timed from the end of its first poll.
+    /// waits is timed from the end of its first poll until it is dropped (right after its
+    /// answer, or when abandoned).
     struct Timed<'a, F> {
         #[pin]
         call: F,
@@ -437,10 +430,24 @@ pin_project_lite::pin_project! {
     impl<F> PinnedDrop for Timed<'_, F> {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
+            let waited = this
+                .waiting_since
+                .map_or(Duration::ZERO, |since| since.elapsed());
+            this.op.duration.observe(waited);
             if !*this.done {
                 this.op.cancelled.fetch_add(1, Ordering::Relaxed);
-                this.op.duration.observe(waited(*this.waiting_since));
             }
+        }
+    }
+}
+
+impl<'a, F> Timed<'a, F> {
+    fn new(op: &'a StoreOpMetrics, call: F) -> Self {
+        Self {
+            call,
+            op,
+            waiting_since: None,
+            done: false,
         }
     }
 }
@@ -456,7 +463,6 @@ where
         match this.call.poll(cx) {
             Poll::Ready(result) => {
                 *this.done = true;
-                this.op.duration.observe(waited(*this.waiting_since));
                 if result.is_err() {
                     this.op.errors.fetch_add(1, Ordering::Relaxed);
                 }
@@ -468,11 +474,6 @@ where
             }
         }
     }
-}
-
-/// How long a call has waited, if it ever had to.
-fn waited(since: Option<Instant>) -> Duration {
-    since.map_or(Duration::ZERO, |since| since.elapsed())
 }
 
 #[async_trait]
@@ -636,12 +637,7 @@ mod tests {
     #[tokio::test]
     async fn store_calls_are_timed_counted_and_abandonment_noted() {
         let op = StoreOpMetrics::default();
-        let timed = |call| Timed {
-            call,
-            op: &op,
-            waiting_since: None,
-            done: false,
-        };
+        let timed = |call| Timed::new(&op, call);
         // Answered at once: no time, and nothing abandoned.
         assert!(timed(call_after(0, Ok(()))).await.is_ok());
         assert_eq!(

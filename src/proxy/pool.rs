@@ -108,15 +108,20 @@ impl Pool {
 
     /// An idle connection the upstream has not closed, if there is one.
     pub fn take_idle(&self) -> Option<Connection> {
+        // The most recently used first: its socket is the warmest. Closed ones found on the
+        // way are closed after the lock is let go.
+        let mut closed = Vec::new();
         let mut idle = self.lock();
-        // The most recently used first: its socket is the warmest. Closed ones are dropped on
-        // the way.
-        while let Some(entry) = idle.pop() {
-            if entry.connection.is_usable() {
-                return Some(entry.connection);
+        let found = loop {
+            match idle.pop() {
+                Some(entry) if entry.connection.is_usable() => break Some(entry.connection),
+                Some(entry) => closed.push(entry),
+                None => break None,
             }
-        }
-        None
+        };
+        drop(idle);
+        drop(closed);
+        found
     }
 
     /// Opens a new connection.
@@ -166,8 +171,14 @@ impl Pool {
     /// the upstream closed.
     fn reap_round(&self) {
         let round = self.round.fetch_add(1, Ordering::Relaxed) + 1;
-        self.lock()
-            .retain(|e| e.round + 2 > round && e.connection.is_usable());
+        let mut idle = self.lock();
+        let (kept, closing): (Vec<Idle>, Vec<Idle>) = std::mem::take(&mut *idle)
+            .into_iter()
+            .partition(|e| e.round + 2 > round && e.connection.is_usable());
+        *idle = kept;
+        // Closed after the lock is let go: requests take and return connections under it.
+        drop(idle);
+        drop(closing);
     }
 }
 

@@ -396,8 +396,9 @@ async fn serve_connection<S, B>(
     let mut stop_registered = false;
     // The watchdog looks at the connection a few times per limit instead of every read and
     // write reading the clock or setting a timer.
-    let (mut watchdog, first_look) = Watchdog::new(limits, Instant::now());
-    let check = tokio::time::sleep(first_look);
+    let opened = Instant::now();
+    let (mut watchdog, first_look) = Watchdog::new(limits, opened);
+    let check = tokio::time::sleep_until(tokio::time::Instant::from_std(opened) + first_look);
     tokio::pin!(check);
     let mut check_registered = false;
     let result = std::future::poll_fn(|cx| {

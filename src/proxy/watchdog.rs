@@ -114,7 +114,8 @@ pub(super) enum Verdict {
 /// it.
 #[derive(Debug)]
 pub(super) struct Watchdog {
-    limits: Limits,
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
     /// When bytes last moved, as of the last look.
     last_moved: Instant,
     /// When the connection last was busy, as of the last look: the start of its wait for a
@@ -126,7 +127,8 @@ impl Watchdog {
     /// The watchdog of a connection opened at `now`, and when it first looks.
     pub(super) fn new(limits: Limits, now: Instant) -> (Self, Duration) {
         let watchdog = Self {
-            limits,
+            header_read_timeout: limits.header_read_timeout,
+            idle_timeout: limits.idle_timeout,
             last_moved: now,
             waiting_since: now,
         };
@@ -143,12 +145,12 @@ impl Watchdog {
         if seen.moved {
             self.last_moved = now;
         }
-        if seen.busy || seen.http2 {
+        if seen.busy {
             self.waiting_since = now;
         }
-        let idle = now.saturating_duration_since(self.last_moved) >= self.limits.idle_timeout;
+        let idle = now.saturating_duration_since(self.last_moved) >= self.idle_timeout;
         let head_late = !seen.http2
-            && now.saturating_duration_since(self.waiting_since) >= self.limits.header_read_timeout;
+            && now.saturating_duration_since(self.waiting_since) >= self.header_read_timeout;
         if head_late && !seen.served {
             Verdict::Cut
         } else if idle || head_late {
@@ -161,11 +163,9 @@ impl Watchdog {
     /// The shortest limit that applies.
     fn period(&self, http2: bool) -> Duration {
         if http2 {
-            self.limits.idle_timeout
+            self.idle_timeout
         } else {
-            self.limits
-                .idle_timeout
-                .min(self.limits.header_read_timeout)
+            self.idle_timeout.min(self.header_read_timeout)
         }
     }
 }

@@ -743,6 +743,42 @@ async fn h2c_clients_are_served() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_idle_h2c_connection_is_closed_even_while_it_pings() {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let s = setup_with("[limits]\nidle_timeout = \"1s\"").await;
+    let stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    // The client pings every 100 ms, idle or not: bytes never stop moving either way.
+    let (mut sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    // A request that runs past the idle timeout keeps the connection: it is in use.
+    for (path, delay) in [("/h2-slow", "1200"), ("/h2-idle", "0")] {
+        let request = hyper::Request::post(s.gw.url(path))
+            .header("idempotency-key", path)
+            .header("x-delay-ms", delay)
+            .body(Full::new(bytes::Bytes::from_static(b"x")))
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), 201, "{path}");
+        response.into_body().collect().await.unwrap();
+    }
+
+    // No request for the idle timeout: the gateway ends the connection, pings or not.
+    let ended = tokio::time::timeout(Duration::from_secs(10), connection).await;
+    assert!(
+        ended.is_ok(),
+        "an idle h2c connection was kept open by its pings"
+    );
+    assert!(sender.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
     let s = setup_with("[limits]\nheader_read_timeout = \"500ms\"\nmax_connections = 2").await;
     // A header block that never ends, and a connection that never sends: both closed.

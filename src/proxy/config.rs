@@ -148,7 +148,8 @@ pub struct LimitsFile {
     pub max_connections: Option<usize>,
     /// Time a client gets to send a complete header block.
     pub header_read_timeout: Option<String>,
-    /// Time a connection that moves no bytes either way stays open.
+    /// Time a connection that moves no bytes either way stays open (an h2c one: with no request
+    /// in progress).
     pub idle_timeout: Option<String>,
     /// Cap on header fields per request.
     pub max_headers: Option<usize>,
@@ -442,7 +443,8 @@ pub struct Limits {
     pub max_connections: usize,
     /// Time a client gets to send a complete header block.
     pub header_read_timeout: Duration,
-    /// Time a connection that moves no bytes either way stays open.
+    /// Time a connection that moves no bytes either way stays open (an h2c one: with no request
+    /// in progress).
     pub idle_timeout: Duration,
     /// Cap on header fields per request.
     pub max_headers: usize,

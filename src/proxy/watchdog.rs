@@ -31,6 +31,8 @@ pub(super) struct Activity {
     wrote: AtomicBool,
     /// Requests whose head has arrived and whose response is not ready yet.
     open: AtomicUsize,
+    /// A request's head arrived since the watchdog last looked.
+    began: AtomicBool,
     /// A request has come on this connection.
     served: AtomicBool,
     /// A request came over HTTP/2: requests are streams, and there is no head to wait for
@@ -42,6 +44,7 @@ impl Activity {
     /// A request's head arrived; the returned guard marks it finished when dropped.
     pub(super) fn request_started(self: &Arc<Self>, version: http::Version) -> InFlight {
         self.open.fetch_add(1, Ordering::Relaxed);
+        self.began.store(true, Ordering::Relaxed);
         self.served.store(true, Ordering::Relaxed);
         if version == http::Version::HTTP_2 {
             self.http2.store(true, Ordering::Relaxed);
@@ -49,12 +52,15 @@ impl Activity {
         InFlight(Arc::clone(self))
     }
 
-    /// What happened since the last look; clears the byte flags.
+    /// What happened since the last look; clears the flags of what happened.
     fn take(&self) -> Seen {
         let wrote = self.wrote.swap(false, Ordering::Relaxed);
+        let began = self.began.swap(false, Ordering::Relaxed);
+        let open = self.open.load(Ordering::Relaxed) > 0;
         Seen {
             moved: self.moved.swap(false, Ordering::Relaxed),
-            busy: wrote || self.open.load(Ordering::Relaxed) > 0,
+            busy: wrote || open,
+            requested: began || open,
             served: self.served.load(Ordering::Relaxed),
             http2: self.http2.load(Ordering::Relaxed),
         }
@@ -79,6 +85,8 @@ struct Seen {
     /// A request was open, or response bytes went out: the connection was not waiting for a
     /// request head.
     busy: bool,
+    /// A request began or was open.
+    requested: bool,
     /// A request has come on the connection.
     served: bool,
     /// The connection is known to be HTTP/2.
@@ -100,6 +108,9 @@ pub(super) enum Verdict {
 /// The clock side of the watchdog for one connection.
 ///
 /// - No bytes either way for `idle_timeout` → close gracefully.
+/// - HTTP/2: no request begun or open for `idle_timeout` → close gracefully (a GOAWAY; a
+///   response still streaming finishes). Control frames do not count: the gateway's own
+///   keep-alive pings, which find a dead peer, keep bytes moving on every live connection.
 /// - HTTP/1.1 (and a connection whose protocol is not known yet): from the moment it opens,
 ///   and again once each response has gone out, the next request head must arrive within
 ///   `header_read_timeout`. Bytes that trickle in without completing a head do not extend
@@ -121,6 +132,8 @@ pub(super) struct Watchdog {
     /// When the connection last was busy, as of the last look: the start of its wait for a
     /// request head.
     waiting_since: Instant,
+    /// When a request was last seen begun or open.
+    last_request: Instant,
 }
 
 impl Watchdog {
@@ -131,6 +144,7 @@ impl Watchdog {
             idle_timeout: limits.idle_timeout,
             last_moved: now,
             waiting_since: now,
+            last_request: now,
         };
         let first = watchdog.period(false) / CHECKS_PER_PERIOD;
         (watchdog, first)
@@ -148,7 +162,13 @@ impl Watchdog {
         if seen.busy {
             self.waiting_since = now;
         }
-        let idle = now.saturating_duration_since(self.last_moved) >= self.idle_timeout;
+        if seen.requested {
+            self.last_request = now;
+        }
+        let quiet = now.saturating_duration_since(self.last_moved) >= self.idle_timeout;
+        let unused =
+            seen.http2 && now.saturating_duration_since(self.last_request) >= self.idle_timeout;
+        let idle = quiet || unused;
         let head_late = !seen.http2
             && now.saturating_duration_since(self.waiting_since) >= self.header_read_timeout;
         if head_late && !seen.served {
@@ -314,6 +334,7 @@ mod tests {
         let seen = |ms| Seen {
             moved: ms <= 3250,
             busy: (100..=3250).contains(&ms),
+            requested: (100..=3000).contains(&ms),
             served: ms >= 100,
             http2: false,
         };
@@ -328,8 +349,10 @@ mod tests {
 
     #[test]
     fn http2_connections_are_closed_only_when_idle() {
+        // Requests (streams) until 2 000 ms, and bytes moving until then; no head timeout.
         let seen = |ms| Seen {
             moved: ms <= 2000,
+            requested: ms <= 2000,
             served: true,
             http2: true,
             ..Seen::default()
@@ -338,6 +361,31 @@ mod tests {
             first_verdict(limits(1000, 5000), 250, 20_000, seen),
             Some((7000, Verdict::Close))
         );
+    }
+
+    #[test]
+    fn pings_do_not_keep_an_unused_http2_connection_open() {
+        // Ping frames keep bytes moving every look; the last request ends at 2 000 ms.
+        let seen = |ms| Seen {
+            moved: true,
+            busy: ms <= 2000,
+            requested: ms <= 2000,
+            served: true,
+            http2: true,
+        };
+        assert_eq!(
+            first_verdict(limits(1000, 5000), 250, 20_000, seen),
+            Some((7000, Verdict::Close))
+        );
+        // The same bytes with a request open throughout: never closed.
+        let busy = |_| Seen {
+            moved: true,
+            busy: true,
+            requested: true,
+            served: true,
+            http2: true,
+        };
+        assert_eq!(first_verdict(limits(1000, 5000), 250, 20_000, busy), None);
     }
 
     #[test]
@@ -361,11 +409,15 @@ mod tests {
         let second = activity.request_started(http::Version::HTTP_11);
         assert!(activity.take().busy);
         drop(first);
-        assert!(activity.take().busy);
+        let seen = activity.take();
+        assert!(seen.busy && seen.requested);
         drop(second);
         let seen = activity.take();
-        assert!(!seen.busy && seen.served && !seen.http2);
+        assert!(!seen.busy && !seen.requested && seen.served && !seen.http2);
+        // A request that began and ended between two looks is seen by the next one.
         drop(activity.request_started(http::Version::HTTP_2));
-        assert!(activity.take().http2);
+        let seen = activity.take();
+        assert!(seen.http2 && seen.requested && !seen.busy);
+        assert!(!activity.take().requested);
     }
 }

@@ -917,6 +917,52 @@ async fn a_response_body_that_pauses_past_the_header_timeout_arrives_whole() {
     upstream.abort();
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_body_that_stops_coming_is_cut_after_the_upstream_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An upstream that sends a head and part of its body, then nothing for 30 s.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\nfirst")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            });
+        }
+    });
+    let dir = TempDir::new();
+    // upstream_timeout is 1500ms.
+    let gw = Gateway::start(&["--config", &config(&dir, &format!("http://{addr}"), "")]);
+
+    // A keyed request is answered within raw's 10 s, not held until the upstream gives up:
+    // the outcome is unknown, and so is the record's, so a retry is not told "in flight".
+    let request = b"POST /stall HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-stall\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx";
+    let first = raw(gw.addr, request).await;
+    assert!(first.starts_with("HTTP/1.1 502"), "{first}");
+    assert!(first.contains("outcome-unknown"), "{first}");
+    let retry = raw(gw.addr, request).await;
+    assert!(retry.contains("outcome-unknown"), "{retry}");
+    assert!(!retry.contains("request-in-flight"), "{retry}");
+
+    // A streamed response (no key) gets what came, then its connection is closed, well
+    // before raw's 10 s limit (the upstream holds it 30 s).
+    let started = std::time::Instant::now();
+    let streamed = raw(
+        gw.addr,
+        b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(streamed.starts_with("HTTP/1.1 201"), "{streamed}");
+    assert!(streamed.ends_with("\r\n\r\nfirst"), "{streamed}");
+    assert!(started.elapsed() < Duration::from_secs(9), "not cut");
+    upstream.abort();
+}
+
 /// Reads one response with a `Content-Length` body off `stream` and returns its head.
 async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
     use tokio::io::AsyncReadExt;

@@ -15,6 +15,7 @@ use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, HeaderName, HeaderValue, TRANSFER_ENCODING};
@@ -52,6 +53,9 @@ pub enum ClientError {
     /// The request body could not be read.
     #[error("the request body failed")]
     RequestBody(#[source] BoxError),
+    /// The upstream sent nothing more of its response body for this long.
+    #[error("the upstream sent nothing more of its response for {} ms", .0.as_millis())]
+    Stalled(Duration),
 }
 
 /// Why [`Connection::send`] gave no response head.
@@ -729,12 +733,17 @@ fn asks_to_close(headers: &HeaderMap) -> bool {
     })
 }
 
-/// Reads a response body off its connection.
+/// Reads a response body off its connection. A wait for more of the body that lasts
+/// `stall` fails it with [`ClientError::Stalled`] (the time between two reads is bounded,
+/// not the whole body: a long stream that keeps sending is never cut).
 #[derive(Debug)]
 pub struct BodyReader {
     connection: Option<Connection>,
     state: BodyState,
     keep_alive: bool,
+    stall: Duration,
+    /// The connection's timer is set for the wait in progress.
+    waiting: bool,
 }
 
 #[derive(Debug)]
@@ -756,8 +765,9 @@ enum BodyState {
 }
 
 impl BodyReader {
-    /// A reader for the body of `head`, which was read from `connection`.
-    pub fn new(head: &ResponseHead, connection: Connection) -> Self {
+    /// A reader for the body of `head`, which was read from `connection`, that waits at most
+    /// `stall` for each read.
+    pub fn new(head: &ResponseHead, connection: Connection, stall: Duration) -> Self {
         let state = match head.framing {
             Framing::Empty => BodyState::Done,
             Framing::Length(n) => BodyState::Length(n),
@@ -768,6 +778,8 @@ impl BodyReader {
             connection: Some(connection),
             state,
             keep_alive: head.keep_alive,
+            stall,
+            waiting: false,
         }
     }
 
@@ -799,7 +811,14 @@ impl BodyReader {
 
     /// The next piece of the body, `None` at its end.
     pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
-        let result = self.poll_step(cx);
+        let mut result = self.poll_step(cx);
+        if result.is_pending() {
+            if self.poll_stalled(cx).is_ready() {
+                result = Poll::Ready(Some(Err(ClientError::Stalled(self.stall))));
+            }
+        } else {
+            self.waiting = false;
+        }
         if let Poll::Ready(Some(Err(_))) = &result {
             // A broken body leaves its connection unusable.
             self.connection = None;
@@ -807,6 +826,31 @@ impl BodyReader {
             self.keep_alive = false;
         }
         result
+    }
+
+    /// Ready once the wait for more of the body has lasted `stall`. The clock is read only
+    /// when a read has to wait (a body that came with its head never does), and the
+    /// connection's own timer is reused.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(connection) = self.connection.as_mut() else {
+            return Poll::Pending;
+        };
+        let timer = if self.waiting {
+            connection.timer.as_mut()
+        } else {
+            self.waiting = true;
+            let deadline = Instant::now() + self.stall;
+            Some(match connection.timer.take() {
+                Some(mut timer) => {
+                    timer.as_mut().reset(deadline);
+                    connection.timer.insert(timer)
+                }
+                None => connection
+                    .timer
+                    .insert(Box::pin(tokio::time::sleep_until(deadline))),
+            })
+        };
+        timer.map_or(Poll::Pending, |timer| timer.as_mut().poll(cx))
     }
 
     fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
@@ -1047,8 +1091,11 @@ mod tests {
         let (addr, _server) = scripted(vec![answer], Pace::Whole).await;
         let mut connection = connect(addr).await;
         let response = get(&mut connection, method).await?;
-        Ok(BodyReader::new(&response, connection))
+        Ok(BodyReader::new(&response, connection, STALL))
     }
+
+    /// A wait for body bytes no test reaches.
+    const STALL: Duration = Duration::from_secs(30);
 
     /// A deadline no test reaches.
     fn soon() -> tokio::time::Instant {
@@ -1092,7 +1139,7 @@ mod tests {
         let mut connection = connect(addr).await;
         // Far off: the connection's timer is registered for that deadline.
         let first = get(&mut connection, Method::GET).await.unwrap();
-        let mut reader = BodyReader::new(&first, connection);
+        let mut reader = BodyReader::new(&first, connection, STALL);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
         let mut connection = reader.take_reusable().expect("read to its end: reusable");
         // An earlier deadline than the timer's: it must fire then, not at the first's.
@@ -1127,14 +1174,14 @@ mod tests {
         assert_eq!(first.status, StatusCode::OK);
         let values: Vec<_> = first.headers.get_all("x-a").iter().collect();
         assert_eq!(values, ["1", "2"], "repeated fields keep their order");
-        let mut reader = BodyReader::new(&first, connection);
+        let mut reader = BodyReader::new(&first, connection, STALL);
         assert_eq!(reader.remaining(), Some(5));
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
         let mut connection = reader.take_reusable().expect("read to its end: reusable");
         assert!(connection.is_usable());
         let second = get(&mut connection, Method::GET).await.unwrap();
         assert_eq!(second.status, StatusCode::CREATED);
-        let mut reader = BodyReader::new(&second, connection);
+        let mut reader = BodyReader::new(&second, connection, STALL);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
         drop(reader);
         let sent = String::from_utf8(server.await.unwrap()).unwrap();
@@ -1143,6 +1190,50 @@ mod tests {
             !sent.contains("content-length"),
             "a GET without a body: {sent}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_body_that_stops_coming_is_cut_after_the_stall_time() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Most of a body at once, more 100 ms later, then nothing (the socket stays open
+        // until the test ends).
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await.unwrap();
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\nfirst-")
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stream.write_all(b"more").await.unwrap();
+            while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        });
+        let mut connection = connect(addr).await;
+        let response = get(&mut connection, Method::GET).await.unwrap();
+        // Each wait may last 1 s: the 100 ms pause passes, the endless one does not.
+        let stall = Duration::from_secs(1);
+        let mut reader = BodyReader::new(&response, connection, stall);
+        let mut got = Vec::new();
+        let end = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match poll_fn(|cx| reader.poll_data(cx)).await {
+                    Some(Ok(data)) => got.extend_from_slice(&data),
+                    Some(Err(error)) => return Some(error),
+                    None => return None,
+                }
+            }
+        })
+        .await
+        .expect("cut well before 10 s");
+        assert_eq!(got, b"first-more");
+        assert!(
+            matches!(end, Some(ClientError::Stalled(d)) if d == stall),
+            "{end:?}"
+        );
+        assert!(reader.is_done() && reader.take_reusable().is_none());
+        server.abort();
     }
 
     #[tokio::test]
@@ -1161,7 +1252,7 @@ mod tests {
             StatusCode::OK,
             "the interim 100 is skipped"
         );
-        let mut reader = BodyReader::new(&response, connection);
+        let mut reader = BodyReader::new(&response, connection, STALL);
         assert_eq!(reader.remaining(), None);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello world");
         assert!(
@@ -1480,7 +1571,7 @@ mod tests {
         .expect("the early answer is read while the body waits")
         .unwrap();
         assert_eq!(response.status, StatusCode::PAYLOAD_TOO_LARGE);
-        let mut reader = BodyReader::new(&response, connection);
+        let mut reader = BodyReader::new(&response, connection, STALL);
         assert!(reader.is_done());
         assert!(
             reader.take_reusable().is_none(),
@@ -1498,7 +1589,7 @@ mod tests {
         let mut connection = connect(addr).await;
         let response = get(&mut connection, Method::GET).await.unwrap();
         assert!(!response.headers.contains_key(CONTENT_LENGTH));
-        let mut reader = BodyReader::new(&response, connection);
+        let mut reader = BodyReader::new(&response, connection, STALL);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
         assert!(reader.take_reusable().is_none());
     }

@@ -119,7 +119,7 @@ pub struct FileConfig {
     pub store_timeout: Option<String>,
     /// `reject` (fail closed, `503`) or `pass` (forward unprotected) when the store is down.
     pub on_store_error: Option<String>,
-    /// Bound on the upstream's answer.
+    /// Bound on the upstream's answer, and on each wait for more of its response body.
     pub upstream_timeout: Option<String>,
     /// Bound on connecting to the upstream.
     pub upstream_connect_timeout: Option<String>,
@@ -476,7 +476,7 @@ pub struct Settings {
     pub store_timeout: Duration,
     /// What to do when the store fails.
     pub on_store_error: StoreErrorPolicy,
-    /// Bound on the upstream's answer.
+    /// Bound on the upstream's answer, and on each wait for more of its response body.
     pub upstream_timeout: Duration,
     /// Bound on connecting to the upstream.
     pub upstream_connect_timeout: Duration,

@@ -143,7 +143,10 @@ where
         Ok((mut head, connection)) => {
             shared.metrics.observe_upstream(started.elapsed());
             prepare_response_headers(&mut head.headers);
-            let body = ProxyBody::upstream(BodyReader::new(&head, connection), &shared.pool);
+            let body = ProxyBody::upstream(
+                BodyReader::new(&head, connection, shared.timeout),
+                &shared.pool,
+            );
             let mut response = Response::new(body);
             *response.status_mut() = head.status;
             // Answer in the client's protocol version, whatever the upstream spoke (an

@@ -205,6 +205,9 @@ mod tests {
     use super::*;
     use crate::proxy::client::{BodyReader, OwnFields};
 
+    /// A wait for body bytes no test reaches.
+    const STALL: Duration = Duration::from_secs(30);
+
     /// A deadline no test reaches.
     fn soon() -> tokio::time::Instant {
         tokio::time::Instant::now() + Duration::from_secs(30)
@@ -257,7 +260,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let mut reader = BodyReader::new(&response, connection);
+        let mut reader = BodyReader::new(&response, connection, STALL);
         let mut body = Vec::new();
         while let Some(data) = poll_fn(|cx| reader.poll_data(cx)).await {
             body.extend_from_slice(&data.unwrap());

@@ -883,23 +883,13 @@ async fn a_trickled_head_is_cut_off_but_a_slow_response_keeps_its_connection() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_response_body_that_pauses_past_the_header_timeout_arrives_whole() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // An upstream that sends half its body, pauses for three header timeouts, then the rest.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let upstream = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let _ = stream.read(&mut buf).await;
-                let _ = stream
-                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nfirst")
-                    .await;
-                tokio::time::sleep(Duration::from_millis(900)).await;
-                let _ = stream.write_all(b"-last").await;
-            });
-        }
-    });
+    let (addr, upstream) = pausing_upstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nfirst",
+        Duration::from_millis(900),
+        b"-last",
+    )
+    .await;
     let dir = TempDir::new();
     let path = config(
         &dir,
@@ -919,22 +909,13 @@ async fn a_response_body_that_pauses_past_the_header_timeout_arrives_whole() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_response_body_that_stops_coming_is_cut_after_the_upstream_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // An upstream that sends a head and part of its body, then nothing for 30 s.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let upstream = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let _ = stream.read(&mut buf).await;
-                let _ = stream
-                    .write_all(b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\nfirst")
-                    .await;
-                tokio::time::sleep(Duration::from_secs(30)).await;
-            });
-        }
-    });
+    let (addr, upstream) = pausing_upstream(
+        b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\nfirst",
+        Duration::from_secs(30),
+        b"",
+    )
+    .await;
     let dir = TempDir::new();
     // upstream_timeout is 1500ms.
     let gw = Gateway::start(&["--config", &config(&dir, &format!("http://{addr}"), "")]);
@@ -961,6 +942,30 @@ async fn a_response_body_that_stops_coming_is_cut_after_the_upstream_timeout() {
     assert!(streamed.ends_with("\r\n\r\nfirst"), "{streamed}");
     assert!(started.elapsed() < Duration::from_secs(9), "not cut");
     upstream.abort();
+}
+
+/// An upstream on 127.0.0.1 that answers each request with `first`, waits `pause`, then
+/// writes `rest`. Abort the task to stop it.
+async fn pausing_upstream(
+    first: &'static [u8],
+    pause: Duration,
+    rest: &'static [u8],
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream.write_all(first).await;
+                tokio::time::sleep(pause).await;
+                let _ = stream.write_all(rest).await;
+            });
+        }
+    });
+    (addr, task)
 }
 
 /// Reads one response with a `Content-Length` body off `stream` and returns its head.

@@ -274,9 +274,12 @@ async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart(
 
 // ---- Redis hung (SIGSTOP) -----------------------------------------------------------------
 
+/// A Redis, an upstream and a gateway on that Redis with `store_timeout`, after one keyed
+/// request has gone through (the connection to Redis is open).
 #[cfg(feature = "redis")]
-#[tokio::test(flavor = "multi_thread")]
-async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
+async fn warm_redis_gateway(
+    store_timeout: &str,
+) -> (redis_server::RedisServer, TestUpstream, TempDir, Gateway) {
     let redis = redis_server::RedisServer::start();
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
@@ -284,12 +287,18 @@ async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
         &dir,
         &upstream,
         &redis.url(),
-        "store_timeout = \"1s\"\n",
+        &format!("store_timeout = \"{store_timeout}\"\n"),
         &[],
     );
-
-    let warm = send("POST", &gw.url("/hung/warm"), &[key("k-warm")], "x").await;
+    let warm = send("POST", &gw.url("/warm"), &[key("k-warm")], "x").await;
     assert_eq!(warm.status, 201, "{}", warm.text());
+    (redis, upstream, dir, gw)
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
+    let (redis, upstream, _dir, gw) = warm_redis_gateway("1s").await;
 
     redis.pause();
     // Resume Redis even if an assertion below fails, so its drop (SIGKILL) is all that is left.
@@ -325,6 +334,24 @@ async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
     assert!(!fresh.replayed());
     assert_eq!(upstream.hits("/hung/after"), 1);
     assert_eq!(upstream.hits("/hung/pay"), 0);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_timeout_above_one_second_is_the_one_redis_calls_get() {
+    let (redis, upstream, _dir, gw) = warm_redis_gateway("8s").await;
+
+    // Redis stops answering for 2 s, well within the 8 s store timeout: the call waits for
+    // it instead of failing at a 1 s bound of the store's own.
+    redis.pause();
+    let resume = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        redis.resume();
+    };
+    let (url, headers) = (gw.url("/slow-redis/pay"), [key("k-slow")]);
+    let (slow, ()) = tokio::join!(send("POST", &url, &headers, "x"), resume);
+    assert_eq!(slow.status, 201, "{}", slow.text());
+    assert_eq!(upstream.hits("/slow-redis/pay"), 1);
 }
 
 // ---- redb: the record outlives kill -9 of the gateway -------------------------------------

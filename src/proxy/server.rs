@@ -114,12 +114,16 @@ pub async fn open_store(
         StoreSpec::Redis(url) => {
             // Start even while Redis is down: requests get 503 (or pass, as configured) and
             // /readyz fails until it answers; it coming back needs no restart.
-            let store = crate::store::RedisStore::connect_lazy(
-                crate::store::RedisStoreConfig::new(url.clone()),
-            )
-            .map_err(|source| RunError::Store {
-                spec: spec.to_string(),
-                source,
+            // The store's own bound on a call is the configured one (its default is 1 s).
+            let config = crate::store::RedisStoreConfig {
+                timeout: store_timeout,
+                ..crate::store::RedisStoreConfig::new(url.clone())
+            };
+            let store = crate::store::RedisStore::connect_lazy(config).map_err(|source| {
+                RunError::Store {
+                    spec: spec.to_string(),
+                    source,
+                }
             })?;
             match tokio::time::timeout(store_timeout, store.ping()).await {
                 Ok(Ok(())) => {}

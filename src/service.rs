@@ -354,6 +354,7 @@ impl Keyed {
                     // Like a claimed request, it runs to its end even if the client leaves.
                     return Step::Run(Box::pin(async move {
                         call(inner, req).await.map(|response| {
+                            let response = without_owned_headers(response);
                             self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
                         })
                     }));

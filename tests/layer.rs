@@ -679,6 +679,10 @@ async fn store_failure_in_pass_mode_forwards_and_counts() {
     let r = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(r.status, StatusCode::CREATED);
     assert_eq!(r.decision, Decision::Unprotected);
+    assert!(
+        r.headers.get("idempotent-replayed").is_none(),
+        "the upstream's spoofed header must not cross, protected or not"
+    );
     assert_eq!(up.calls(), 1);
     assert_eq!(layer.stats().unprotected_passes(), 1);
 }

@@ -182,7 +182,7 @@ fn tag<B>(
 async fn handle_keyed<S, ReqB, ResB>(
     shared: Arc<Shared>,
     route: Arc<Route>,
-    mut inner: S,
+    inner: S,
     req: Request<ReqB>,
     header_key: Option<String>,
 ) -> Step<ResB, S::Error>
@@ -217,9 +217,9 @@ where
             }
             Ok(None) => {
                 let req = Request::from_parts(parts, RequestBody::buffered(body));
-                return Step::Answer(inner.call(req).await.map(|response| {
+                return Step::Answer(call(inner, req).await.map(|response| {
                     tag(
-                        without_owned_headers(response).map(ResponseBody::inner),
+                        response.map(ResponseBody::inner),
                         Decision::PassedThrough,
                         &route,
                         None,
@@ -354,7 +354,6 @@ impl Keyed {
                     // Like a claimed request, it runs to its end even if the client leaves.
                     return Step::Run(Box::pin(async move {
                         call(inner, req).await.map(|response| {
-                            let response = without_owned_headers(response);
                             self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
                         })
                     }));
@@ -394,7 +393,7 @@ impl Keyed {
         let policy = &self.route.policy;
 
         let response = match call(inner, req).await {
-            Ok(response) => without_owned_headers(response),
+            Ok(response) => response,
             Err(error) => {
                 self.outcome_unknown(token).await;
                 return Err(error);
@@ -641,12 +640,13 @@ impl Keyed {
     }
 }
 
-/// Calls a service that was already polled ready by the caller of the middleware.
-async fn call<S, R>(mut inner: S, req: R) -> Result<S::Response, S::Error>
+/// Calls a service that was already polled ready by the caller of the middleware, and removes
+/// the headers only idemgate may set from its response.
+async fn call<S, R, B>(mut inner: S, req: R) -> Result<Response<B>, S::Error>
 where
-    S: Service<R>,
+    S: Service<R, Response = Response<B>>,
 {
-    inner.call(req).await
+    inner.call(req).await.map(without_owned_headers)
 }
 
 /// Removes the headers only idemgate may set from an inner service's response.

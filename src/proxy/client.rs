@@ -162,13 +162,7 @@ impl Connection {
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
     {
-        let mut timer = match self.timer.take() {
-            Some(mut timer) => {
-                timer.as_mut().reset(deadline);
-                timer
-            }
-            None => Box::pin(tokio::time::sleep_until(deadline)),
-        };
+        let mut timer = set_for(self.timer.take(), deadline);
         let answer = {
             let mut exchange = std::pin::pin!(self.exchange(head, own, body, first));
             poll_fn(|cx| {
@@ -308,6 +302,17 @@ impl Connection {
             return Poll::Ready(Err(ClientError::Closed));
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+/// A connection's timer set to fire at `deadline`: the one it had, moved, or a new one.
+fn set_for(timer: Option<Pin<Box<Sleep>>>, deadline: Instant) -> Pin<Box<Sleep>> {
+    match timer {
+        Some(mut timer) => {
+            timer.as_mut().reset(deadline);
+            timer
+        }
+        None => Box::pin(tokio::time::sleep_until(deadline)),
     }
 }
 
@@ -835,22 +840,15 @@ impl BodyReader {
         let Some(connection) = self.connection.as_mut() else {
             return Poll::Pending;
         };
-        let timer = if self.waiting {
-            connection.timer.as_mut()
-        } else {
+        if !self.waiting {
             self.waiting = true;
             let deadline = Instant::now() + self.stall;
-            Some(match connection.timer.take() {
-                Some(mut timer) => {
-                    timer.as_mut().reset(deadline);
-                    connection.timer.insert(timer)
-                }
-                None => connection
-                    .timer
-                    .insert(Box::pin(tokio::time::sleep_until(deadline))),
-            })
-        };
-        timer.map_or(Poll::Pending, |timer| timer.as_mut().poll(cx))
+            connection.timer = Some(set_for(connection.timer.take(), deadline));
+        }
+        match connection.timer.as_mut() {
+            Some(timer) => timer.as_mut().poll(cx),
+            None => Poll::Pending,
+        }
     }
 
     fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
@@ -991,7 +989,7 @@ fn trailer_line(buf: &mut BytesMut) -> Option<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::collections::VecDeque;
     use std::net::SocketAddr;
     use std::time::Duration;
@@ -1095,10 +1093,10 @@ mod tests {
     }
 
     /// A wait for body bytes no test reaches.
-    const STALL: Duration = Duration::from_secs(30);
+    pub(in crate::proxy) const STALL: Duration = Duration::from_secs(30);
 
     /// A deadline no test reaches.
-    fn soon() -> tokio::time::Instant {
+    pub(in crate::proxy) fn soon() -> tokio::time::Instant {
         tokio::time::Instant::now() + Duration::from_secs(30)
     }
 

@@ -203,15 +203,8 @@ mod tests {
     use hyper_util::rt::TokioIo;
 
     use super::*;
+    use crate::proxy::client::tests::{STALL, soon};
     use crate::proxy::client::{BodyReader, OwnFields};
-
-    /// A wait for body bytes no test reaches.
-    const STALL: Duration = Duration::from_secs(30);
-
-    /// A deadline no test reaches.
-    fn soon() -> tokio::time::Instant {
-        tokio::time::Instant::now() + Duration::from_secs(30)
-    }
 
     async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -20,6 +20,7 @@
 //! ```
 
 pub mod body;
+mod error_chain;
 pub mod fingerprint;
 mod future;
 pub mod headers;
@@ -33,6 +34,7 @@ pub mod response;
 mod service;
 pub mod store;
 
+pub(crate) use error_chain::ErrorChain;
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_STORE_TIMEOUT, IdempotencyLayer, LayerStats};
 pub use policy::{OnStoreError, RoutePolicy};

@@ -17,6 +17,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tower_service::Service;
 
+use crate::ErrorChain;
 use crate::body::{Capped, RequestBody, ResponseBody, read_capped};
 use crate::fingerprint;
 use crate::future::{Answer, BoxAnswer, ResponseFuture, Step};
@@ -342,7 +343,7 @@ impl Keyed {
             ),
             Err(error) => match self.shared.on_store_error {
                 OnStoreError::Reject => {
-                    tracing::warn!(record = %self.record.short(), %error, "store failed; request refused");
+                    tracing::warn!(record = %self.record.short(), error = %ErrorChain(&error), "store failed; request refused");
                     self.problem(
                         Problem::store_unavailable(self.shared.store_timeout),
                         Decision::StoreUnavailable,
@@ -350,7 +351,7 @@ impl Keyed {
                 }
                 OnStoreError::Pass => {
                     self.shared.stats.count_unprotected();
-                    tracing::warn!(record = %self.record.short(), %error, "store failed; request forwarded without protection");
+                    tracing::warn!(record = %self.record.short(), error = %ErrorChain(&error), "store failed; request forwarded without protection");
                     // Like a claimed request, it runs to its end even if the client leaves.
                     return Step::Run(Box::pin(async move {
                         call(inner, req).await.map(|response| {
@@ -530,7 +531,7 @@ impl Keyed {
                 }
                 // A timeout is a `StoreError::Timeout`, counted like any failure.
                 Err(error) => {
-                    tracing::warn!(record = %record.short(), %error, "lease renewal failed");
+                    tracing::warn!(record = %record.short(), error = %ErrorChain(&error), "lease renewal failed");
                 }
             }
         }
@@ -578,7 +579,9 @@ impl Keyed {
                 tracing::warn!(record = %self.record.short(), "{what} refused: the record has a newer owner");
             }
             // The record stays in flight; its lease lapses into the route's unknown outcome.
-            Err(error) => tracing::error!(record = %self.record.short(), %error, "{what} failed"),
+            Err(error) => {
+                tracing::error!(record = %self.record.short(), error = %ErrorChain(&error), "{what} failed")
+            }
         }
     }
 

@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use support::{Gateway, Resp, TempDir, TestUpstream, admin_get, eventually, key, send};
+use support::{
+    Gateway, Resp, TempDir, TestUpstream, admin_get, eventually, gateway_command_after, key, send,
+};
 
 const STORE_UNAVAILABLE: &str = "urn:idemgate:problem:store-unavailable";
 const IN_FLIGHT: &str = "urn:idemgate:problem:request-in-flight";
@@ -407,4 +409,109 @@ async fn redb_records_survive_kill_9_of_the_gateway() {
     .await;
     assert_eq!(other.status, 422, "{}", other.text());
     assert_eq!(upstream.hits("/charges"), 1);
+}
+
+// ---- redb: a file that stops taking writes, and takes them again -------------------------
+
+/// Sets the soft file-size limit (`RLIMIT_FSIZE`) of process `pid` with util-linux's
+/// `prlimit`: `Some(bytes)`, or `None` for no limit.
+#[cfg(feature = "redb")]
+async fn charge(gw: &Gateway, k: &str, extra: &[(&str, &str)]) -> Resp {
+    let mut headers = vec![key(k), ("content-type", "application/json")];
+    headers.extend_from_slice(extra);
+    send("POST", &gw.url("/charges"), &headers, r#"{"amount":100}"#).await
+}
+
+#[cfg(feature = "redb")]
+fn limit_file_size(pid: u32, bytes: Option<u64>) {
+    let soft = bytes.map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
+    let status = std::process::Command::new("prlimit")
+        .args([
+            "--pid",
+            &pid.to_string(),
+            &format!("--fsize={soft}:unlimited"),
+        ])
+        .status()
+        .expect("run prlimit (util-linux)");
+    assert!(status.success(), "prlimit failed: {status:?}");
+}
+
+/// A write past the file-size limit fails with `EFBIG`, as a write to a full disk fails with
+/// `ENOSPC`: the store must refuse changes (503, nothing forwarded, not ready) while the file
+/// cannot grow, keep what it had committed, and take changes again once it can, without a
+/// restart.
+#[cfg(feature = "redb")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redb_file_that_cannot_grow_fails_closed_and_recovers_without_a_restart() {
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let path = dir.path().join("records.redb");
+    let store = format!("redb:{}", path.display());
+    let url = upstream.url();
+    // SIGXFSZ ignored (and so ignored after exec too): the write fails instead of killing.
+    let gw = Gateway::start_command(
+        gateway_command_after("trap '' XFSZ"),
+        &["--upstream", &url, "--store", &store],
+        &[],
+    );
+    let before = charge(&gw, "k-before", &[]).await;
+    assert_eq!(before.status, 201, "{}", before.text());
+
+    // From here the file cannot grow past its present size.
+    let size = std::fs::metadata(&path).expect("the redb file").len();
+    limit_file_size(gw.pid(), Some(size));
+    let mut refused = None;
+    for i in 0..400 {
+        let r = charge(&gw, &format!("k-growing-{i}"), &[("x-size", "262144")]).await;
+        if r.status == 503 {
+            refused = Some(r);
+            break;
+        }
+    }
+    let refused = refused.unwrap_or_else(|| {
+        panic!(
+            "the file never stopped taking writes; size {} bytes; logs:\n{}",
+            std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
+            gw.logs()
+        )
+    });
+    assert_store_unavailable(&refused);
+    let hits = upstream.hits("/charges");
+    let refused = charge(&gw, "k-during", &[]).await;
+    assert_store_unavailable(&refused);
+    assert_eq!(
+        upstream.hits("/charges"),
+        hits,
+        "nothing forwarded while refusing"
+    );
+    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
+    assert!(
+        gw.logs().contains("redb write failed"),
+        "the failure is logged:\n{}",
+        gw.logs()
+    );
+
+    // The disk takes writes again: the store reopens the file on its own.
+    limit_file_size(gw.pid(), None);
+    let after = eventually(300, || async {
+        let r = charge(&gw, "k-after", &[]).await;
+        (r.status != 503).then_some(r)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the store never recovered; logs:\n{}", gw.logs()));
+    assert_eq!(after.status, 201, "{}", after.text());
+    assert!(
+        gw.logs().contains("redb file reopened"),
+        "the recovery is logged:\n{}",
+        gw.logs()
+    );
+    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 200);
+    let again = charge(&gw, "k-after", &[]).await;
+    assert!(again.replayed(), "{:?}", again.headers);
+    assert_eq!(again.body, after.body);
+
+    // What was committed before the failure is still there.
+    let kept = charge(&gw, "k-before", &[]).await;
+    assert!(kept.replayed(), "{:?}", kept.headers);
+    assert_eq!(kept.body, before.body, "replayed byte for byte");
 }

@@ -345,7 +345,7 @@ fn problem(problem: Problem) -> Response<AdminBody> {
 /// Why a store call failed: its error, or `None` when it did not answer in time.
 fn store_failure(state: &AdminState, error: Option<&StoreError>) -> String {
     match error {
-        Some(error) => format!("the store failed: {}", super::ErrorChain(error)),
+        Some(error) => format!("the store failed: {}", crate::ErrorChain(error)),
         None => format!(
             "the store did not answer within {} ms",
             state.store_timeout.as_millis()

@@ -24,11 +24,11 @@ use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use tower_service::Service;
 
-use super::ErrorChain;
 use super::client::{self, BodyReader, ClientError, Connection, OwnFields, ResponseHead};
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::pool::{ConnectError, Pool};
+use crate::ErrorChain;
 use crate::headers::strip_hop_by_hop;
 use crate::response::{IDEMPOTENT_REPLAYED, Problem, UpstreamFailure};
 

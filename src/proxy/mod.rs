@@ -25,6 +25,7 @@ pub mod pool;
 pub mod server;
 mod watchdog;
 
+use crate::ErrorChain;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -181,20 +182,5 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
         async {
             let _ = tokio::signal::ctrl_c().await;
         }
-    }
-}
-
-/// An error and its causes on one line, formatted when written.
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
-
-impl std::fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
     }
 }

@@ -37,7 +37,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -70,6 +70,10 @@ const SWEEP_BATCH: usize = 1000;
 const PIGGYBACK_SWEEP: usize = 64;
 /// Pause between two sweeps when the writer is otherwise idle.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// How long after a failed write the writer first tries to reopen the file.
+const REOPEN_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two tries to reopen a file that keeps failing.
+const REOPEN_MAX: Duration = Duration::from_secs(30);
 /// Page cache redb may use.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -86,9 +90,11 @@ const EXPIRIES_V1: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiri
 /// the last clone is dropped (the drop waits for the writer thread to finish its current
 /// batch, a few milliseconds at most).
 ///
-/// If a commit ever fails (the disk is full or failing), redb refuses further writes on that
-/// handle: every later change answers [`StoreError::Unavailable`] until the process reopens
-/// the file, which lets redb repair it.
+/// If a write ever fails (the disk is full or failing), redb refuses all further work on that
+/// handle: every change answers [`StoreError::Unavailable`] until the file is reopened, which
+/// lets redb repair it to its last commit. The store reopens it on its own, first a second
+/// after the failure and then at growing intervals up to 30 s while reopening fails, so the
+/// store recovers without a restart once the disk takes writes again.
 #[derive(Clone)]
 pub struct RedbStore {
     shared: Arc<Shared>,
@@ -154,7 +160,7 @@ enum RedbError {
         #[source]
         source: Arc<redb::Error>,
     },
-    #[error("{}: a commit failed and the file refuses writes until it is reopened", path.display())]
+    #[error("{}: a write failed; changes are refused until the file is reopened", path.display())]
     Poisoned {
         path: Arc<Path>,
         #[source]
@@ -196,41 +202,8 @@ impl RedbStore {
                 })
             })?;
         }
-        let open_error = |source: redb::Error| {
-            unavailable(RedbError::Open {
-                path: path.to_path_buf(),
-                source,
-            })
-        };
-        let db = Database::builder()
-            .set_cache_size(CACHE_BYTES)
-            .create(path)
-            .map_err(|e| match e {
-                DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
-                    path: path.to_path_buf(),
-                }),
-                other => open_error(other.into()),
-            })?;
-        // Create the tables now, so reads never find them missing, and bring a file in the
-        // first layout over.
-        let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-        let migrated = migrate_v1(&txn).map_err(open_error)?;
-        txn.commit().map_err(|e| open_error(e.into()))?;
-        // Logged once the migration is committed.
-        match migrated {
-            Some(Migrated { moved, unreadable }) if unreadable > 0 => tracing::warn!(
-                moved,
-                unreadable,
-                "redb file migrated; unreadable records were not carried over"
-            ),
-            Some(Migrated { moved, .. }) => {
-                tracing::info!(moved, "redb file migrated to the current layout")
-            }
-            None => {}
-        }
-        let rows = RowIndex::load(&db).map_err(open_error)?;
+        let (db, rows) = open_file(path)?;
 
-        let db = Arc::new(db);
         let path: Arc<Path> = Arc::from(path);
         let (ops, queue) = mpsc::channel(QUEUE);
         #[cfg(test)]
@@ -238,7 +211,7 @@ impl RedbStore {
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
-            db,
+            db: Some(db),
             path: Arc::clone(&path),
             poisoned: None,
             more_expired: true,
@@ -312,6 +285,44 @@ impl RedbStore {
         ops.send(op(reply)).await.map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
     }
+}
+
+/// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the tables,
+/// so reads never find them missing; brings a file in the first layout over; and reads where
+/// each record's row is.
+fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
+    let open_error = |source: redb::Error| {
+        unavailable(RedbError::Open {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let db = Database::builder()
+        .set_cache_size(CACHE_BYTES)
+        .create(path)
+        .map_err(|e| match e {
+            DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
+                path: path.to_path_buf(),
+            }),
+            other => open_error(other.into()),
+        })?;
+    let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
+    let migrated = migrate_v1(&txn).map_err(open_error)?;
+    txn.commit().map_err(|e| open_error(e.into()))?;
+    // Logged once the migration is committed.
+    match migrated {
+        Some(Migrated { moved, unreadable }) if unreadable > 0 => tracing::warn!(
+            moved,
+            unreadable,
+            "redb file migrated; unreadable records were not carried over"
+        ),
+        Some(Migrated { moved, .. }) => {
+            tracing::info!(moved, "redb file migrated to the current layout")
+        }
+        None => {}
+    }
+    let rows = RowIndex::load(&db).map_err(open_error)?;
+    Ok((db, rows))
 }
 
 // -------------------------------------------------------------------------------------------
@@ -761,14 +772,40 @@ impl Op {
 struct Writer {
     #[cfg(test)]
     commits: Arc<std::sync::atomic::AtomicU64>,
-    db: Arc<Database>,
+    /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
+    db: Option<Database>,
     path: Arc<Path>,
-    /// Set once a commit failed: redb then refuses writes on this handle.
-    poisoned: Option<Arc<redb::Error>>,
+    /// Set once a write failed: redb then refuses all work on its handle until the file is
+    /// reopened.
+    poisoned: Option<Poisoned>,
     /// The last sweep stopped at its limit: sweep again as soon as the queue is empty.
     more_expired: bool,
     /// Where each record's row is.
     rows: RowIndex,
+}
+
+/// A file whose handle refuses work, and when to try reopening it.
+struct Poisoned {
+    cause: Arc<redb::Error>,
+    retry_at: Instant,
+    /// The wait before `retry_at`, doubled after each failed reopen up to [`REOPEN_MAX`].
+    wait: Duration,
+}
+
+impl Poisoned {
+    fn new(cause: Arc<redb::Error>, path: &Path) -> Self {
+        tracing::error!(
+            path = %path.display(),
+            error = %cause,
+            retry_in_ms = REOPEN_FIRST.as_millis() as u64,
+            "redb write failed: changes are refused until the file is reopened"
+        );
+        Self {
+            cause,
+            retry_at: Instant::now() + REOPEN_FIRST,
+            wait: REOPEN_FIRST,
+        }
+    }
 }
 
 struct Tables<'t> {
@@ -813,13 +850,15 @@ impl Writer {
 
     /// Applies `batch` in one write transaction and answers each change after the commit.
     fn run_batch(&mut self, batch: &mut Vec<Op>) {
-        if let Some(cause) = &self.poisoned {
-            let failure = Failure {
-                path: Arc::clone(&self.path),
-                cause: Arc::clone(cause),
-                poisoned: true,
-            };
-            batch.drain(..).for_each(|op| op.fail(&failure));
+        if !self.reopen_if_poisoned() {
+            if let Some(poisoned) = &self.poisoned {
+                let failure = Failure {
+                    path: Arc::clone(&self.path),
+                    cause: Arc::clone(&poisoned.cause),
+                    poisoned: true,
+                };
+                batch.drain(..).for_each(|op| op.fail(&failure));
+            }
             return;
         }
         let now = now_ms();
@@ -829,13 +868,19 @@ impl Writer {
         let failure = match result {
             Ok(()) => None,
             Err((cause, poisoned)) => {
+                // After a failed commit or any I/O error redb refuses all work on its handle.
+                let poisoned =
+                    poisoned || matches!(*cause, redb::Error::Io(_) | redb::Error::PreviousIo);
                 if poisoned {
-                    self.poisoned = Some(Arc::clone(&cause));
+                    self.poisoned = Some(Poisoned::new(Arc::clone(&cause), &self.path));
                 } else {
                     // The batch was rolled back: so are the row numbers it moved.
-                    match RowIndex::load(&self.db) {
-                        Ok(rows) => self.rows = rows,
-                        Err(e) => self.poisoned = Some(Arc::new(e)),
+                    match self.db.as_ref().map(RowIndex::load) {
+                        Some(Ok(rows)) => self.rows = rows,
+                        Some(Err(e)) => {
+                            self.poisoned = Some(Poisoned::new(Arc::new(e), &self.path));
+                        }
+                        None => {}
                     }
                 }
                 Some(Failure {
@@ -853,6 +898,46 @@ impl Writer {
         }
     }
 
+    /// Whether the file takes changes: true unless a write failed and reopening the file
+    /// (tried at most once per [`Poisoned::wait`]) has not yet succeeded. Reopening lets redb
+    /// repair the file to its last commit, as after a crash; every change it reported as
+    /// committed is kept.
+    fn reopen_if_poisoned(&mut self) -> bool {
+        let Some(poisoned) = &mut self.poisoned else {
+            return true;
+        };
+        let now = Instant::now();
+        if now < poisoned.retry_at {
+            return false;
+        }
+        // The failed handle still holds the file's lock: close it before opening again.
+        self.db = None;
+        match open_file(&self.path) {
+            Ok((db, rows)) => {
+                self.db = Some(db);
+                self.rows = rows;
+                self.more_expired = true;
+                self.poisoned = None;
+                tracing::warn!(
+                    path = %self.path.display(),
+                    "redb file reopened after a failed write: changes are accepted again"
+                );
+                true
+            }
+            Err(e) => {
+                poisoned.wait = (poisoned.wait * 2).min(REOPEN_MAX);
+                poisoned.retry_at = now + poisoned.wait;
+                tracing::error!(
+                    path = %self.path.display(),
+                    error = %crate::ErrorChain(&e),
+                    retry_in_ms = poisoned.wait.as_millis() as u64,
+                    "redb file could not be reopened"
+                );
+                false
+            }
+        }
+    }
+
     /// The transaction of one batch. An error aborts it (nothing is changed) unless it came
     /// from the commit, which is reported as poisoning the handle.
     fn transact(
@@ -862,7 +947,10 @@ impl Writer {
         now: u64,
     ) -> Result<(), (Arc<redb::Error>, bool)> {
         let fail = |e: redb::Error| (Arc::new(e), false);
-        let mut txn = self.db.begin_write().map_err(|e| fail(e.into()))?;
+        let Some(db) = &self.db else {
+            return Err((Arc::new(redb::Error::PreviousIo), true));
+        };
+        let mut txn = db.begin_write().map_err(|e| fail(e.into()))?;
         txn.set_durability(Durability::Immediate)
             .map_err(|e| fail(e.into()))?;
         let (dirty, swept_all) = {

@@ -358,7 +358,12 @@ impl Gateway {
 
     /// As [`Gateway::start`], with environment variables set on the child.
     pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut cmd = gateway_command();
+        Self::start_command(gateway_command(), args, env)
+    }
+
+    /// Starts `cmd` (a [`gateway_command`] or [`gateway_command_after`]) as
+    /// [`Gateway::start_with`] does.
+    pub fn start_command(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
@@ -475,6 +480,19 @@ impl Drop for Gateway {
 /// The gateway command with a clean `IDEMGATE_*` environment.
 pub fn gateway_command() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    for var in GATEWAY_ENV {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// The gateway command run by `bash`, which first runs the shell line `setup` and then execs
+/// the gateway in its own process: the child's pid is the gateway's.
+pub fn gateway_command_after(setup: &str) -> Command {
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(format!("{setup}; exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_idemgate"));
     for var in GATEWAY_ENV {
         cmd.env_remove(var);
     }

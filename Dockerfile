@@ -11,6 +11,10 @@ COPY . .
 RUN cargo build --release --locked
 
 FROM debian:bookworm-slim
+# The trusted roots a rediss:// store's certificate is checked against.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
 # A fixed, unprivileged user that owns the record store's directory.
 RUN useradd --system --uid 10001 --user-group --home-dir /data --shell /usr/sbin/nologin idemgate \
     && mkdir -p /data \

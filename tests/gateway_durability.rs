@@ -356,6 +356,49 @@ async fn a_store_timeout_above_one_second_is_the_one_redis_calls_get() {
     assert_eq!(upstream.hits("/slow-redis/pay"), 1);
 }
 
+// ---- Redis over TLS --------------------------------------------------------------------------
+
+/// A `rediss://` store talks TLS to a Redis that serves only TLS, and checks its certificate:
+/// trusted through `SSL_CERT_FILE`, requests run once and replay; not trusted, the store is
+/// unavailable and nothing is forwarded.
+#[cfg(feature = "redis-tls")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rediss_store_speaks_tls_and_checks_the_certificate() {
+    let redis = redis_server::RedisServer::start_tls();
+    let upstream = TestUpstream::start().await;
+    let (upstream_url, store) = (upstream.url(), redis.url());
+    assert!(store.starts_with("rediss://"), "{store}");
+    let args = [
+        "--upstream",
+        upstream_url.as_str(),
+        "--store",
+        store.as_str(),
+    ];
+    let ca = redis.ca_file();
+    let ca = ca.to_str().expect("a UTF-8 temp path");
+
+    let trusting = Gateway::start_with(&args, &[("SSL_CERT_FILE", ca)]);
+    let first = send("POST", &trusting.url("/tls"), &[key("k-tls")], "x").await;
+    assert_eq!(first.status, 201, "{}\n{}", first.text(), trusting.logs());
+    let retry = send("POST", &trusting.url("/tls"), &[key("k-tls")], "x").await;
+    assert!(retry.replayed(), "{:?}", retry.headers);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.hits("/tls"), 1);
+    assert_eq!(admin_get(&trusting, "/readyz", &[]).await.status, 200);
+
+    // The system's roots do not include the test CA: the handshake fails.
+    let untrusting = Gateway::start_with(&args, &[]);
+    let refused = send("POST", &untrusting.url("/tls"), &[key("k-untrusted")], "x").await;
+    assert_store_unavailable(&refused);
+    assert_eq!(upstream.hits("/tls"), 1, "nothing forwarded");
+    assert_eq!(admin_get(&untrusting, "/readyz", &[]).await.status, 503);
+    assert!(
+        untrusting.logs().contains("certificate"),
+        "the refusal names the certificate:\n{}",
+        untrusting.logs()
+    );
+}
+
 // ---- redb: the record outlives kill -9 of the gateway -------------------------------------
 
 #[cfg(feature = "redb")]

@@ -324,6 +324,10 @@ impl StoreSpec {
                 return Err("redb: needs a file path, e.g. \"redb:./data/idemgate.redb\"".into());
             }
             Ok(StoreSpec::Redb(PathBuf::from(path)))
+        } else if s.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
+            Err(format!(
+                "{s:?}: rediss:// (TLS) needs idemgate built with the redis-tls feature"
+            ))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             let uri: Uri = s
                 .parse()
@@ -1103,8 +1107,15 @@ mod tests {
             StoreSpec::parse("redis://127.0.0.1:6379/2"),
             Ok(StoreSpec::Redis("redis://127.0.0.1:6379/2".into()))
         );
-        for bad in ["redb:", "postgres://x", "mem", "redis://"] {
+        for bad in ["redb:", "postgres://x", "mem", "redis://", "rediss://"] {
             assert!(StoreSpec::parse(bad).is_err(), "{bad:?} should be refused");
+        }
+        // TLS is taken only by a build that can speak it, and refused with the reason.
+        let tls = StoreSpec::parse("rediss://cache:6380");
+        if cfg!(feature = "redis-tls") {
+            assert_eq!(tls, Ok(StoreSpec::Redis("rediss://cache:6380".into())));
+        } else {
+            assert!(tls.is_err_and(|why| why.contains("redis-tls")));
         }
         let shown = StoreSpec::Redis("redis://user:secret@cache:6380/1".into()).to_string();
         assert!(!shown.contains("secret"), "{shown}");

@@ -128,7 +128,7 @@ pub async fn open_store(
             match tokio::time::timeout(store_timeout, store.ping()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
-                    tracing::warn!(store = %spec, error = %error, "store not reachable yet; starting anyway")
+                    tracing::warn!(store = %spec, error = %crate::ErrorChain(&error), "store not reachable yet; starting anyway")
                 }
                 Err(_) => {
                     tracing::warn!(store = %spec, "store did not answer yet; starting anyway")

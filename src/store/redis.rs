@@ -31,8 +31,10 @@ const MAX_MILLIS: u64 = 1 << 50;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisStoreConfig {
-    /// Where Redis is: `redis://[[user]:password@]host[:port][/db]` or
-    /// `redis+unix:///path/to/socket`. Never logged with its password.
+    /// Where Redis is: `redis://[[user]:password@]host[:port][/db]`, `rediss://…` for TLS
+    /// (with the `redis-tls` feature, on by default; the server's certificate is checked
+    /// against the system's trusted roots, or those in `SSL_CERT_FILE` / `SSL_CERT_DIR` when
+    /// set), or `redis+unix:///path/to/socket`. Never logged with its password.
     pub url: String,
     /// Prepended to every key this store writes, so one Redis can serve several
     /// applications. Default [`DEFAULT_KEY_PREFIX`](Self::DEFAULT_KEY_PREFIX).
@@ -222,6 +224,19 @@ impl RedisStore {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(fail(
                 "the store must be set up inside a Tokio runtime",
+                None,
+            ));
+        }
+        if config.url.starts_with("rediss:") {
+            #[cfg(feature = "redis-tls")]
+            {
+                // rustls needs a process-wide cryptography provider; one installed already
+                // (by the application) is kept.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+            }
+            #[cfg(not(feature = "redis-tls"))]
+            return Err(fail(
+                "rediss:// (TLS) needs idemgate built with the redis-tls feature",
                 None,
             ));
         }

@@ -1,6 +1,7 @@
 //! A real `redis-server` for tests: started on a free loopback port with no persistence,
 //! killed (by its own pid) when dropped, and able to be stopped, paused and restarted on the
-//! same port for fault tests.
+//! same port for fault tests. [`RedisServer::start_tls`] starts one that speaks only TLS, with
+//! a certificate from a test CA made by the `openssl` command.
 //!
 //! Include with `#[path = "support/redis_server.rs"] mod redis_server;`.
 
@@ -22,6 +23,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra_args: Vec<String>,
+    /// Serves TLS only, with the certificates in `dir`.
+    tls: bool,
 }
 
 impl RedisServer {
@@ -33,6 +36,16 @@ impl RedisServer {
     /// Starts a server with extra command-line options, e.g.
     /// `["--maxmemory-policy", "allkeys-lru"]`.
     pub fn start_with(extra_args: &[&str]) -> Self {
+        Self::start_serving(extra_args, false)
+    }
+
+    /// Starts a server that accepts only TLS connections, with a certificate for 127.0.0.1
+    /// signed by a CA of its own ([`ca_file`](Self::ca_file)); clients need no certificate.
+    pub fn start_tls() -> Self {
+        Self::start_serving(&[], true)
+    }
+
+    fn start_serving(extra_args: &[&str], tls: bool) -> Self {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "idemgate-redis-test-{}-{}",
@@ -45,7 +58,11 @@ impl RedisServer {
             port: 0,
             dir,
             extra_args: extra_args.iter().map(|s| (*s).to_owned()).collect(),
+            tls,
         };
+        if tls {
+            make_certificates(&server.dir);
+        }
         // Another process can take the port between our probe and redis-server's bind; try a
         // few fresh ports before giving up.
         for _ in 0..5 {
@@ -60,9 +77,15 @@ impl RedisServer {
         );
     }
 
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT`, or `rediss://127.0.0.1:PORT` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// The PEM file of the CA that signed a TLS server's certificate.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("ca.crt")
     }
 
     /// The port the server listens on (kept across restarts).
@@ -119,9 +142,21 @@ impl RedisServer {
     fn spawn(&mut self) -> bool {
         let log = self.dir.join("redis.log");
         let mut command = Command::new("redis-server");
+        if self.tls {
+            command
+                .args(["--port", "0", "--tls-port"])
+                .arg(self.port.to_string())
+                .arg("--tls-cert-file")
+                .arg(self.dir.join("server.crt"))
+                .arg("--tls-key-file")
+                .arg(self.dir.join("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(self.ca_file())
+                .args(["--tls-auth-clients", "no"]);
+        } else {
+            command.arg("--port").arg(self.port.to_string());
+        }
         command
-            .arg("--port")
-            .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir)
@@ -146,7 +181,10 @@ impl RedisServer {
                 self.child = None;
                 return false;
             }
-            if answers_ping(addr) {
+            // A TLS server would need a handshake to PING: that it accepts is enough.
+            if (self.tls && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
+                || (!self.tls && answers_ping(addr))
+            {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -171,6 +209,66 @@ fn missing_redis_server() -> ! {
         );
     }
     panic!("redis-server is not on PATH: run .ci/install-deps (installs Debian's redis-server)");
+}
+
+/// Writes `ca.crt`, and `server.crt` with `server.key` for 127.0.0.1 signed by it, into `dir`
+/// with the `openssl` command (P-256 keys, valid for two days).
+fn make_certificates(dir: &std::path::Path) {
+    let openssl = |args: &[&str]| {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run openssl ({e}): run .ci/install-deps (installs Debian's openssl)")
+            });
+        assert!(
+            output.status.success(),
+            "openssl {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let key = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec![
+        "req",
+        "-x509",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=idemgate test CA",
+    ];
+    ca.extend_from_slice(&key);
+    ca.extend_from_slice(&["-keyout", "ca.key", "-out", "ca.crt"]);
+    openssl(&ca);
+    let mut request = vec!["req", "-subj", "/CN=127.0.0.1"];
+    request.extend_from_slice(&key);
+    request.extend_from_slice(&["-keyout", "server.key", "-out", "server.csr"]);
+    openssl(&request);
+    std::fs::write(dir.join("server.ext"), "subjectAltName=IP:127.0.0.1\n")
+        .expect("write the certificate extensions");
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.crt",
+    ]);
 }
 
 fn free_port() -> u16 {

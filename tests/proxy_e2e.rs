@@ -389,6 +389,24 @@ async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
         "the hung-up request's response was stored"
     );
     assert_eq!(s.upstream.hits("/hangup"), 1);
+    // The abandoned request is logged and counted, once.
+    let metrics = admin_get(&s.gw, "/metrics", &[]).await.text();
+    assert!(
+        metrics.contains("\nidemgate_requests_abandoned_total 1\n"),
+        "{metrics}"
+    );
+    let logs = s.gw.logs();
+    assert_eq!(
+        logs.matches("request abandoned: the client went away")
+            .count(),
+        1,
+        "{logs}"
+    );
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("request abandoned") && l.contains("path=/hangup")),
+        "{logs}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

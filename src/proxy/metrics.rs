@@ -213,6 +213,7 @@ pub struct Metrics {
     upstream_errors: [AtomicU64; UpstreamErrorKind::ALL.len()],
     store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
+    abandoned_requests: AtomicU64,
 }
 
 impl Metrics {
@@ -254,6 +255,11 @@ impl Metrics {
     /// Counts an upstream call that produced no response.
     pub fn count_upstream_error(&self, kind: UpstreamErrorKind) {
         self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request whose client went away before its response was ready.
+    pub fn count_abandoned_request(&self) {
+        self.abandoned_requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a client connection opened.
@@ -344,6 +350,12 @@ impl Metrics {
                 "counter",
                 "Store calls the gateway saw fail or time out.",
                 layer.store_errors,
+            ),
+            (
+                "idemgate_requests_abandoned_total",
+                "counter",
+                "Requests whose client went away before their response was ready (a keyed one still runs and keeps its response).",
+                self.abandoned_requests.load(Ordering::Relaxed),
             ),
             (
                 "idemgate_fenced_completions_total",

@@ -535,6 +535,7 @@ where
             started: tracing::enabled!(tracing::Level::INFO).then(Instant::now),
             metrics: Arc::clone(&self.metrics),
             peer: self.peer,
+            written: false,
             _in_flight: self.activity.request_started(req.version()),
         };
         if let Some(problem) = refused {
@@ -611,20 +612,26 @@ struct RequestLog {
     started: Option<Instant>,
     metrics: Arc<Metrics>,
     peer: SocketAddr,
+    /// Whether the line was written: a request dropped without one was abandoned.
+    written: bool,
     /// Marks the request open for the watchdog until its response is ready.
     _in_flight: InFlight,
 }
 
 impl RequestLog {
+    fn latency_ms(&self) -> f64 {
+        self.started
+            .map_or(0.0, |started| started.elapsed().as_micros() as f64 / 1000.0)
+    }
+
     /// Counts the request by route and decision, and writes its log line.
-    fn write<B>(&self, response: &Response<B>) {
+    fn write<B>(&mut self, response: &Response<B>) {
+        self.written = true;
         let method = &self.method;
         let path = LoggedPath(self.uri.path());
         let client = self.peer.ip();
         let status = response.status().as_u16();
-        let latency_ms = self
-            .started
-            .map_or(0.0, |started| started.elapsed().as_micros() as f64 / 1000.0);
+        let latency_ms = self.latency_ms();
         let Some(outcome) = response.extensions().get::<Outcome>() else {
             tracing::info!(%method, %path, status, latency_ms, %client, "request");
             return;
@@ -637,6 +644,25 @@ impl RequestLog {
         } else {
             tracing::info!(route = %outcome.route, outcome = %decision, status, latency_ms, %record, %method, %path, %client, "request");
         }
+    }
+}
+
+impl Drop for RequestLog {
+    /// A request dropped before its response was ready: its client closed the connection (or
+    /// reset the HTTP/2 stream). A keyed request's work goes on without it and its response is
+    /// kept for the retry; nothing else will log it.
+    fn drop(&mut self) {
+        if self.written {
+            return;
+        }
+        self.metrics.count_abandoned_request();
+        tracing::info!(
+            method = %self.method,
+            path = %LoggedPath(self.uri.path()),
+            latency_ms = self.latency_ms(),
+            client = %self.peer.ip(),
+            "request abandoned: the client went away before the response"
+        );
     }
 }
 

@@ -158,7 +158,8 @@ impl IdempotencyLayer {
     }
 
     /// Applies `policy` to paths under `prefix` (matched at a segment boundary; the longest
-    /// matching prefix wins).
+    /// matching prefix wins). Give the policy its own [`RoutePolicy::name`]: routes with the
+    /// same name share records.
     #[must_use]
     pub fn route(mut self, prefix: impl Into<String>, policy: RoutePolicy) -> Self {
         let shared = self.shared_mut();

@@ -215,7 +215,9 @@ pub enum Concurrent {
     #[default]
     Reject,
     /// Wait up to the given time for the first request to finish, then replay its response;
-    /// `409` if it is still running.
+    /// `409` if it is still running. If the first one's response is not kept (its status is
+    /// outside the route's `store` set), the key is free again and the waiting request runs,
+    /// as a retry would.
     Wait(Duration),
 }
 
@@ -292,8 +294,11 @@ impl RoutePolicy {
         Self::preset(Preset::Strict)
     }
 
-    /// The route's name in logs and metrics. Also part of every record key, so two routes
-    /// never share records.
+    /// The route's name in logs and metrics. Also part of every record key: routes with
+    /// different names never share records, while routes with the same name share them (a
+    /// key sent under either finds the other's record). Every preset is named `default`, as
+    /// is the layer's default route, so name each route added with
+    /// [`IdempotencyLayer::route`](crate::IdempotencyLayer::route) unless sharing is wanted.
     #[must_use]
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();

@@ -243,6 +243,40 @@ async fn concurrent_wait_replays_the_first_response() {
 }
 
 #[tokio::test]
+async fn concurrent_wait_runs_the_waiter_when_the_first_response_is_not_kept() {
+    let layer = memory_layer()
+        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(10))));
+    let gate = Arc::new(Notify::new());
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    // A 503 is outside the api preset's kept statuses: the first leaves nothing to replay.
+    *up.status.lock().unwrap() = Some(StatusCode::SERVICE_UNAVAILABLE);
+    let first = tokio::spawn({
+        let (layer, up) = (layer.clone(), up.clone());
+        async move { send(&layer, &up, post(Some("k"), "{}")).await }
+    });
+    wait_for_calls(&up, 1).await;
+    let second = tokio::spawn({
+        let (layer, up) = (layer.clone(), up.clone());
+        async move { send(&layer, &up, post(Some("k"), "{}")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(up.calls(), 1, "the second waits while the first runs");
+    gate.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(first.decision, Decision::Executed);
+    wait_for_calls(&up, 2).await;
+    gate.notify_one();
+    let second = second.await.unwrap();
+    assert_eq!(second.decision, Decision::Executed, "run, not replayed");
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(up.calls(), 2);
+}
+
+#[tokio::test]
 async fn concurrent_wait_gives_up_with_409_after_its_timeout() {
     let layer = memory_layer()
         .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_millis(100))));

@@ -553,6 +553,10 @@ impl FileConfig {
         lay(&mut self.upstream, &o.upstream);
         lay(&mut self.store, &o.store);
         lay(&mut self.ttl, &o.ttl);
+        if o.admin_token.is_some() {
+            // A token given by flag or environment wins over the file's, in either form.
+            self.admin_token_env = None;
+        }
         lay(&mut self.admin_token, &o.admin_token);
         self
     }
@@ -1151,6 +1155,30 @@ mod tests {
         assert_eq!(s.listen.port(), 2000);
         assert_eq!(s.upstream.authority.as_str(), "127.0.0.1:1");
         assert_eq!(s.default_route.ttl, Duration::from_secs(7200));
+    }
+
+    #[test]
+    fn an_overriding_admin_token_wins_over_the_files_in_either_form() {
+        let o = Overrides {
+            admin_token: Some("from-the-flag-0123456789".into()),
+            ..Overrides::default()
+        };
+        for line in [
+            "admin_token = \"from-the-file-0123456789\"",
+            "admin_token_env = \"IDEMGATE_TEST_UNSET_VARIABLE\"",
+        ] {
+            let file: FileConfig =
+                toml::from_str(&format!("upstream = \"http://127.0.0.1:1\"\n{line}")).unwrap();
+            let s = file.with_overrides(&o).validate().unwrap();
+            assert_eq!(s.admin_token.as_deref(), Some("from-the-flag-0123456789"));
+        }
+        // Within one file, both forms are still a mistake.
+        let both: FileConfig = toml::from_str(
+            "upstream = \"http://127.0.0.1:1\"\nadmin_token = \"from-the-file-0123456789\"\nadmin_token_env = \"X\"",
+        )
+        .unwrap();
+        let error = both.validate().unwrap_err().to_string();
+        assert!(error.contains("not both"), "{error}");
     }
 
     #[test]

@@ -356,6 +356,33 @@ async fn a_store_timeout_above_one_second_is_the_one_redis_calls_get() {
     assert_eq!(upstream.hits("/slow-redis/pay"), 1);
 }
 
+/// With no Redis at start the gateway serves anyway (503s, not ready) and reports it after
+/// its listening line, without delaying it.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_starts_while_redis_is_down_and_reports_it_after_listening() {
+    let upstream = TestUpstream::start().await;
+    // A loopback port nothing listens on.
+    let store = format!("redis://{}", support::free_addr());
+    let url = upstream.url();
+    let gw = Gateway::start_with(&["--upstream", &url, "--store", &store], &[]);
+    let refused = send("POST", &gw.url("/down"), &[key("k-down")], "x").await;
+    assert_store_unavailable(&refused);
+    assert_eq!(upstream.hits("/down"), 0);
+    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
+    let logs = eventually(100, || async {
+        let logs = gw.logs();
+        logs.contains("store not reachable yet").then_some(logs)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the unreachable store is reported:\n{}", gw.logs()));
+    let listening = logs
+        .find("idemgate listening on")
+        .expect("the listening line");
+    let reported = logs.find("store not reachable yet").unwrap();
+    assert!(listening < reported, "listening line first:\n{logs}");
+}
+
 // ---- Redis over TLS --------------------------------------------------------------------------
 
 /// A `rediss://` store talks TLS to a Redis that serves only TLS, and checks its certificate:

@@ -75,11 +75,10 @@ pub enum RunError {
     },
 }
 
-/// Opens the configured store. A Redis store that does not answer yet is logged and used
-/// anyway; `store_timeout` bounds that first ping.
+/// Opens the configured store. A Redis store is set up without contacting Redis, so that a
+/// gateway starts while Redis is down; `store_timeout` bounds each of its calls.
 pub async fn open_store(
     spec: &StoreSpec,
-    // Only the Redis store is pinged at start.
     #[cfg_attr(not(feature = "redis"), expect(unused_variables))] store_timeout: Duration,
 ) -> Result<Arc<dyn Store>, RunError> {
     match spec {
@@ -119,21 +118,13 @@ pub async fn open_store(
                 timeout: store_timeout,
                 ..crate::store::RedisStoreConfig::new(url.clone())
             };
+            // Not contacted here: `run` pings the store once it listens.
             let store = crate::store::RedisStore::connect_lazy(config).map_err(|source| {
                 RunError::Store {
                     spec: spec.to_string(),
                     source,
                 }
             })?;
-            match tokio::time::timeout(store_timeout, store.ping()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(store = %spec, error = %crate::ErrorChain(&error), "store not reachable yet; starting anyway")
-                }
-                Err(_) => {
-                    tracing::warn!(store = %spec, "store did not answer yet; starting anyway")
-                }
-            }
             Ok(Arc::new(store))
         }
         #[cfg(not(feature = "redb"))]
@@ -162,6 +153,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         .collect();
     let metrics = Metrics::with_routes(settings.route_names());
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
+    let first_ping = Arc::clone(&raw_store);
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
     let mut layer = IdempotencyLayer::new(Arc::clone(&store))
@@ -198,7 +190,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
             addr: settings.admin_listen,
             source,
         })?;
-    // A fixed, parseable first line for scripts and tests (the log format may be JSON).
+    // A fixed, parseable line for scripts and tests (the log format may be JSON); only
+    // messages from opening the store (a redb file's migration) can come before it.
     eprintln!("idemgate listening on {proxy_addr} admin {admin_addr}");
     tracing::info!(
         listen = %proxy_addr,
@@ -208,6 +201,14 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         routes = settings.routes.len(),
         "idemgate started"
     );
+    // A store down at start (Redis) is reported, not fatal: requests get 503 (or pass, as
+    // configured) and /readyz fails until it answers, and it coming back needs no restart.
+    // Pinged beside serving, so that start-up does not wait for it.
+    tokio::spawn(warn_if_unreachable(
+        first_ping,
+        settings.store.to_string(),
+        settings.store_timeout,
+    ));
 
     let draining = Arc::new(AtomicBool::new(false));
     let admin_state = Arc::new(AdminState {
@@ -266,6 +267,18 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     }
     admin_task.abort();
     Ok(())
+}
+
+async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Duration) {
+    match tokio::time::timeout(timeout, store.ping()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(
+            store = %spec,
+            error = %crate::ErrorChain(&error),
+            "store not reachable yet; serving anyway"
+        ),
+        Err(_) => tracing::warn!(store = %spec, "store did not answer yet; serving anyway"),
+    }
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunError> {

@@ -582,6 +582,41 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn past_the_shutdown_grace_open_requests_are_cut_and_not_counted_as_abandoned() {
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let mut gw = Gateway::start_configured(
+        &dir,
+        &upstream,
+        "memory",
+        "shutdown_grace = \"300ms\"\n",
+        &[],
+    );
+    let url = gw.url("/cut");
+    let slow = tokio::spawn(async move {
+        send("POST", &url, &[key("k-cut"), ("x-delay-ms", "5000")], "x").await
+    });
+    upstream.wait_for_hit("/cut").await;
+    gw.sigterm();
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .expect("the gateway exits once the grace has passed");
+    assert!(status.success(), "exit status {status:?}");
+    slow.abort();
+    // Its output is read by a thread of this test: wait for the last lines to come in.
+    let logs = eventually(100, || async {
+        let logs = gw.logs();
+        logs.contains("shutdown grace passed").then_some(logs)
+    })
+    .await
+    .unwrap_or_else(|| panic!("the grace's end is logged:\n{}", gw.logs()));
+    assert!(
+        !logs.contains("request abandoned"),
+        "cut by the gateway, not abandoned by its client:\n{logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_store_that_is_down_fails_closed_or_passes_as_configured() {
     let upstream = TestUpstream::start().await;
     // Nothing listens there: every store call fails.

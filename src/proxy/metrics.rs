@@ -214,6 +214,9 @@ pub struct Metrics {
     store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
     abandoned_requests: AtomicU64,
+    /// Set when shutdown gave up on open requests: those are cut by the gateway, not
+    /// abandoned by their clients.
+    cut_off: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -260,6 +263,16 @@ impl Metrics {
     /// Counts a request whose client went away before its response was ready.
     pub fn count_abandoned_request(&self) {
         self.abandoned_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Marks the requests still open as cut off by shutdown (its grace passed).
+    pub fn cut_off_open_requests(&self) {
+        self.cut_off.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether shutdown has cut off the requests still open.
+    pub fn open_requests_cut_off(&self) -> bool {
+        self.cut_off.load(Ordering::Relaxed)
     }
 
     /// Counts a client connection opened.
@@ -354,7 +367,7 @@ impl Metrics {
             (
                 "idemgate_requests_abandoned_total",
                 "counter",
-                "Requests whose client went away before their response was ready (a keyed one still runs and keeps its response).",
+                "Requests whose client went away before their response was ready (a keyed one already sent upstream still finishes and keeps its response).",
                 self.abandoned_requests.load(Ordering::Relaxed),
             ),
             (

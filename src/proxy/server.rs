@@ -259,11 +259,14 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     .await;
     match drained {
         Ok(()) => tracing::info!("drained; exiting"),
-        Err(_) => tracing::warn!(
-            open_connections = limits.max_connections - connections.available_permits(),
-            in_flight = stats.in_flight(),
-            "shutdown grace passed with work still open; exiting anyway"
-        ),
+        Err(_) => {
+            metrics.cut_off_open_requests();
+            tracing::warn!(
+                open_connections = limits.max_connections - connections.available_permits(),
+                in_flight = stats.in_flight(),
+                "shutdown grace passed with work still open; exiting anyway"
+            );
+        }
     }
     admin_task.abort();
     Ok(())
@@ -663,9 +666,10 @@ impl RequestLog {
 impl Drop for RequestLog {
     /// A request dropped before its response was ready: its client closed the connection (or
     /// reset the HTTP/2 stream). A keyed request's work goes on without it and its response is
-    /// kept for the retry; nothing else will log it.
+    /// kept for the retry; nothing else will log it. Not when shutdown cut it off (logged
+    /// with the open count) or a panic unwinds it (logged by the panic).
     fn drop(&mut self) {
-        if self.written {
+        if self.written || std::thread::panicking() || self.metrics.open_requests_cut_off() {
             return;
         }
         self.metrics.count_abandoned_request();

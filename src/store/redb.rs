@@ -92,9 +92,10 @@ const EXPIRIES_V1: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiri
 ///
 /// If a write ever fails (the disk is full or failing), redb refuses all further work on that
 /// handle: every change answers [`StoreError::Unavailable`] until the file is reopened, which
-/// lets redb repair it to its last commit. The store reopens it on its own, first a second
-/// after the failure and then at growing intervals up to 30 s while reopening fails, so the
-/// store recovers without a restart once the disk takes writes again.
+/// lets redb repair it to its last commit. The store reopens it on its own a second after the
+/// failure, so it recovers without a restart once the disk takes writes again; while the file
+/// keeps failing (to reopen, or to write once reopened) the wait doubles up to 30 s, and a
+/// committed write brings it back to a second.
 #[derive(Clone)]
 pub struct RedbStore {
     shared: Arc<Shared>,
@@ -214,6 +215,7 @@ impl RedbStore {
             db: Some(db),
             path: Arc::clone(&path),
             poisoned: None,
+            reopen_wait: REOPEN_FIRST,
             more_expired: true,
             rows,
         };
@@ -778,6 +780,10 @@ struct Writer {
     /// Set once a write failed: redb then refuses all work on its handle until the file is
     /// reopened.
     poisoned: Option<Poisoned>,
+    /// How long the next failure waits before reopening: doubled by each failure (up to
+    /// [`REOPEN_MAX`]), back to [`REOPEN_FIRST`] once a write commits, so a file that reopens
+    /// but still cannot take writes is not reopened every second.
+    reopen_wait: Duration,
     /// The last sweep stopped at its limit: sweep again as soon as the queue is empty.
     more_expired: bool,
     /// Where each record's row is.
@@ -788,24 +794,6 @@ struct Writer {
 struct Poisoned {
     cause: Arc<redb::Error>,
     retry_at: Instant,
-    /// The wait before `retry_at`, doubled after each failed reopen up to [`REOPEN_MAX`].
-    wait: Duration,
-}
-
-impl Poisoned {
-    fn new(cause: Arc<redb::Error>, path: &Path) -> Self {
-        tracing::error!(
-            path = %path.display(),
-            error = %cause,
-            retry_in_ms = REOPEN_FIRST.as_millis() as u64,
-            "redb write failed: changes are refused until the file is reopened"
-        );
-        Self {
-            cause,
-            retry_at: Instant::now() + REOPEN_FIRST,
-            wait: REOPEN_FIRST,
-        }
-    }
 }
 
 struct Tables<'t> {
@@ -821,7 +809,8 @@ impl Writer {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         let mut last_batch = 0;
         loop {
-            if self.more_expired {
+            // A poisoned file takes no sweep: it would only fail, at once, over and over.
+            if self.more_expired && self.poisoned.is_none() {
                 match queue.try_recv() {
                     Ok(op) => batch.push(op),
                     Err(mpsc::error::TryRecvError::Empty) => {
@@ -866,20 +855,23 @@ impl Writer {
         let mut ops = batch.drain(..);
         let result = self.transact(&mut ops, &mut dones, now);
         let failure = match result {
-            Ok(()) => None,
+            Ok(committed) => {
+                if committed {
+                    self.reopen_wait = REOPEN_FIRST;
+                }
+                None
+            }
             Err((cause, poisoned)) => {
                 // After a failed commit or any I/O error redb refuses all work on its handle.
                 let poisoned =
                     poisoned || matches!(*cause, redb::Error::Io(_) | redb::Error::PreviousIo);
                 if poisoned {
-                    self.poisoned = Some(Poisoned::new(Arc::clone(&cause), &self.path));
+                    self.poison(Arc::clone(&cause));
                 } else {
                     // The batch was rolled back: so are the row numbers it moved.
                     match self.db.as_ref().map(RowIndex::load) {
                         Some(Ok(rows)) => self.rows = rows,
-                        Some(Err(e)) => {
-                            self.poisoned = Some(Poisoned::new(Arc::new(e), &self.path));
-                        }
+                        Some(Err(e)) => self.poison(Arc::new(e)),
                         None => {}
                     }
                 }
@@ -898,8 +890,24 @@ impl Writer {
         }
     }
 
+    /// Marks the file as refusing work until it is reopened, after the present wait.
+    fn poison(&mut self, cause: Arc<redb::Error>) {
+        let wait = self.reopen_wait;
+        self.reopen_wait = (wait * 2).min(REOPEN_MAX);
+        tracing::error!(
+            path = %self.path.display(),
+            error = %cause,
+            retry_in_ms = wait.as_millis() as u64,
+            "redb write failed: changes are refused until the file is reopened"
+        );
+        self.poisoned = Some(Poisoned {
+            cause,
+            retry_at: Instant::now() + wait,
+        });
+    }
+
     /// Whether the file takes changes: true unless a write failed and reopening the file
-    /// (tried at most once per [`Poisoned::wait`]) has not yet succeeded. Reopening lets redb
+    /// (tried once the wait of [`Writer::reopen_wait`] has passed) has not yet succeeded. Reopening lets redb
     /// repair the file to its last commit, as after a crash; every change it reported as
     /// committed is kept.
     fn reopen_if_poisoned(&mut self) -> bool {
@@ -925,12 +933,13 @@ impl Writer {
                 true
             }
             Err(e) => {
-                poisoned.wait = (poisoned.wait * 2).min(REOPEN_MAX);
-                poisoned.retry_at = now + poisoned.wait;
+                let wait = self.reopen_wait;
+                self.reopen_wait = (wait * 2).min(REOPEN_MAX);
+                poisoned.retry_at = now + wait;
                 tracing::error!(
                     path = %self.path.display(),
                     error = %crate::ErrorChain(&e),
-                    retry_in_ms = poisoned.wait.as_millis() as u64,
+                    retry_in_ms = wait.as_millis() as u64,
                     "redb file could not be reopened"
                 );
                 false
@@ -938,14 +947,15 @@ impl Writer {
         }
     }
 
-    /// The transaction of one batch. An error aborts it (nothing is changed) unless it came
-    /// from the commit, which is reported as poisoning the handle.
+    /// The transaction of one batch; `Ok(true)` if it committed changes. An error aborts it
+    /// (nothing is changed) unless it came from the commit, which is reported as poisoning
+    /// the handle.
     fn transact(
         &mut self,
         ops: &mut impl Iterator<Item = Op>,
         dones: &mut Vec<Done>,
         now: u64,
-    ) -> Result<(), (Arc<redb::Error>, bool)> {
+    ) -> Result<bool, (Arc<redb::Error>, bool)> {
         let fail = |e: redb::Error| (Arc::new(e), false);
         let Some(db) = &self.db else {
             return Err((Arc::new(redb::Error::PreviousIo), true));
@@ -980,10 +990,11 @@ impl Writer {
             self.commits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::trace!(changes = dones.len(), "redb group commit");
-            txn.commit().map_err(|e| (Arc::new(e.into()), true))
+            txn.commit().map_err(|e| (Arc::new(e.into()), true))?;
         } else {
-            txn.abort().map_err(|e| fail(e.into()))
+            txn.abort().map_err(|e| fail(e.into()))?;
         }
+        Ok(dirty)
     }
 }
 

@@ -181,10 +181,16 @@ impl RedisServer {
                 self.child = None;
                 return false;
             }
-            // A TLS server would need a handshake to PING: that it accepts is enough.
-            if (self.tls && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
-                || (!self.tls && answers_ping(addr))
-            {
+            // A TLS server would need a handshake to PING: it is ready once it accepts and its
+            // log says so (the log is new with each server).
+            let ready = if self.tls {
+                TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+                    && std::fs::read_to_string(&log)
+                        .is_ok_and(|l| l.contains("Ready to accept connections"))
+            } else {
+                answers_ping(addr)
+            };
+            if ready {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));

@@ -74,6 +74,9 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 const REOPEN_FIRST: Duration = Duration::from_secs(1);
 /// The longest wait between two tries to reopen a file that keeps failing.
 const REOPEN_MAX: Duration = Duration::from_secs(30);
+/// Most claims of failed commits kept to be released after a reopen; past it, the claims'
+/// leases govern them (see [`Writer::unsettled`]).
+const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 /// Page cache redb may use.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -216,6 +219,8 @@ impl RedbStore {
             path: Arc::clone(&path),
             poisoned: None,
             reopen_wait: REOPEN_FIRST,
+            batch_claims: Vec::new(),
+            unsettled: Vec::new(),
             more_expired: true,
             rows,
         };
@@ -784,6 +789,13 @@ struct Writer {
     /// [`REOPEN_MAX`]), back to [`REOPEN_FIRST`] once a write commits, so a file that reopens
     /// but still cannot take writes is not reopened every second.
     reopen_wait: Duration,
+    /// The claims of the batch being applied.
+    batch_claims: Vec<(RecordKey, OwnerToken)>,
+    /// Claims whose commit failed: they may have landed all the same (a commit can fail in
+    /// its last sync), though their callers were told they failed and run nothing. They are
+    /// released at the head of the next batch that can commit, as the callers' own undo
+    /// (refused while the file was failing) would have done.
+    unsettled: Vec<(RecordKey, OwnerToken)>,
     /// The last sweep stopped at its limit: sweep again as soon as the queue is empty.
     more_expired: bool,
     /// Where each record's row is.
@@ -850,6 +862,16 @@ impl Writer {
             }
             return;
         }
+        if !self.unsettled.is_empty() {
+            // Answers nobody waits for: the callers were answered when the commit failed.
+            let releases = self.unsettled.iter().map(|&(key, token)| Op::Release {
+                key,
+                token,
+                reply: oneshot::channel().0,
+            });
+            batch.splice(0..0, releases);
+        }
+        self.batch_claims.clear();
         let now = now_ms();
         let mut dones: Vec<Done> = Vec::with_capacity(batch.len());
         let mut ops = batch.drain(..);
@@ -859,9 +881,14 @@ impl Writer {
                 if committed {
                     self.reopen_wait = REOPEN_FIRST;
                 }
+                self.unsettled.clear();
                 None
             }
             Err((cause, poisoned)) => {
+                if poisoned && self.unsettled.len() < MAX_UNSETTLED {
+                    // The commit failed: whether its claims landed is known after a reopen.
+                    self.unsettled.append(&mut self.batch_claims);
+                }
                 // After a failed commit or any I/O error redb refuses all work on its handle.
                 let poisoned =
                     poisoned || matches!(*cause, redb::Error::Io(_) | redb::Error::PreviousIo);
@@ -972,6 +999,9 @@ impl Writer {
             };
             let mut swept_all = true;
             for op in ops.by_ref() {
+                if let Op::Claim { key, token, .. } = &op {
+                    self.batch_claims.push((*key, *token));
+                }
                 let (done, error) = tables.apply(op, now, &mut swept_all);
                 dones.push(done);
                 if let Some(e) = error {
@@ -1477,6 +1507,111 @@ mod tests {
             std::process::id(),
             OwnerToken::generate().0
         ))
+    }
+
+    /// A file whose `sync_data` fails while `fail` is set: every write before it lands in the
+    /// page cache, so the commit it fails may be in the file all the same.
+    #[derive(Debug)]
+    struct FailingSync {
+        file: redb::backends::FileBackend,
+        fail: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl redb::StorageBackend for FailingSync {
+        fn len(&self) -> std::io::Result<u64> {
+            self.file.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.file.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.file.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::other("injected sync failure"));
+            }
+            self.file.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.file.write(offset, data)
+        }
+    }
+
+    /// Runs `op` (given its reply sender) as a batch of its own and returns its answer.
+    fn run_one<T>(writer: &mut Writer, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let (reply, mut answer) = oneshot::channel();
+        writer.run_batch(&mut vec![op(reply)]);
+        answer.try_recv().expect("answered when its batch ran")
+    }
+
+    /// A claim whose commit failed in its last sync was answered as failed, so its caller
+    /// runs nothing; if it landed all the same, the writer releases it after reopening the
+    /// file, and the client's retry can claim the key instead of meeting a record nobody runs.
+    #[test]
+    fn a_claim_whose_commit_failed_is_released_after_the_reopen() {
+        let path = temp_path("unsettled");
+        drop(open_file(&path).unwrap());
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let db = Database::builder()
+            .create_with_backend(FailingSync {
+                file: redb::backends::FileBackend::new(file).unwrap(),
+                fail: Arc::clone(&fail),
+            })
+            .unwrap();
+        let rows = RowIndex::load(&db).unwrap();
+        let mut writer = Writer {
+            commits: Arc::default(),
+            db: Some(db),
+            path: Arc::from(path.as_path()),
+            poisoned: None,
+            // Reopen at the next batch.
+            reopen_wait: Duration::ZERO,
+            batch_claims: Vec::new(),
+            unsettled: Vec::new(),
+            more_expired: false,
+            rows,
+        };
+        let (key, fp) = (Hash256::of(b"k"), Hash256::of(b"fp"));
+        let options = ClaimOptions {
+            lease: Duration::from_secs(600),
+            ttl: Duration::from_secs(600),
+            on_lapse: UnknownOutcome::Ambiguous,
+        };
+        let claim = |token| {
+            move |reply| Op::Claim {
+                key,
+                fingerprint: fp,
+                token,
+                options,
+                reply,
+            }
+        };
+
+        fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        let first = run_one(&mut writer, claim(OwnerToken::generate()));
+        assert!(
+            matches!(first, Err(StoreError::Unavailable { .. })),
+            "{first:?}"
+        );
+        assert!(writer.poisoned.is_some());
+        fail.store(false, std::sync::atomic::Ordering::SeqCst);
+
+        let retry = OwnerToken::generate();
+        let second = run_one(&mut writer, claim(retry));
+        assert!(writer.poisoned.is_none(), "reopened");
+        assert!(
+            matches!(second, Ok(Claim::Acquired(t)) if t == retry),
+            "{second:?}"
+        );
+        assert!(writer.unsettled.is_empty());
+        drop(writer);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -216,7 +216,7 @@ pub struct Metrics {
     abandoned_requests: AtomicU64,
     /// Set when shutdown gave up on open requests: those are cut by the gateway, not
     /// abandoned by their clients.
-    cut_off: std::sync::atomic::AtomicBool,
+    cut_off: AtomicBool,
 }
 
 impl Metrics {

@@ -917,10 +917,16 @@ impl Writer {
         }
     }
 
-    /// Marks the file as refusing work until it is reopened, after the present wait.
-    fn poison(&mut self, cause: Arc<redb::Error>) {
+    /// The wait before the next try to reopen; the one after it is twice as long.
+    fn take_reopen_wait(&mut self) -> Duration {
         let wait = self.reopen_wait;
         self.reopen_wait = (wait * 2).min(REOPEN_MAX);
+        wait
+    }
+
+    /// Marks the file as refusing work until it is reopened, after the present wait.
+    fn poison(&mut self, cause: Arc<redb::Error>) {
+        let wait = self.take_reopen_wait();
         tracing::error!(
             path = %self.path.display(),
             error = %cause,
@@ -934,16 +940,15 @@ impl Writer {
     }
 
     /// Whether the file takes changes: true unless a write failed and reopening the file
-    /// (tried once the wait of [`Writer::reopen_wait`] has passed) has not yet succeeded. Reopening lets redb
-    /// repair the file to its last commit, as after a crash; every change it reported as
-    /// committed is kept.
+    /// (tried once the wait of [`Writer::reopen_wait`] has passed) has not yet succeeded.
+    /// Reopening lets redb repair the file to its last commit, as after a crash; every change
+    /// it reported as committed is kept.
     fn reopen_if_poisoned(&mut self) -> bool {
-        let Some(poisoned) = &mut self.poisoned else {
-            return true;
-        };
         let now = Instant::now();
-        if now < poisoned.retry_at {
-            return false;
+        match &self.poisoned {
+            None => return true,
+            Some(poisoned) if now < poisoned.retry_at => return false,
+            Some(_) => {}
         }
         // The failed handle still holds the file's lock: close it before opening again.
         self.db = None;
@@ -960,9 +965,10 @@ impl Writer {
                 true
             }
             Err(e) => {
-                let wait = self.reopen_wait;
-                self.reopen_wait = (wait * 2).min(REOPEN_MAX);
-                poisoned.retry_at = now + wait;
+                let wait = self.take_reopen_wait();
+                if let Some(poisoned) = &mut self.poisoned {
+                    poisoned.retry_at = now + wait;
+                }
                 tracing::error!(
                     path = %self.path.display(),
                     error = %crate::ErrorChain(&e),

@@ -627,9 +627,10 @@ fn parse_head(
     // A response with both length fields is suspect (RFC 9112 §6.3): it is read by its
     // Transfer-Encoding, its Content-Length is not passed on, and the connection is closed
     // after it.
-    let both_lengths = present.transfer_encoding
-        && present.content_length
-        && headers.remove(CONTENT_LENGTH).is_some();
+    let both_lengths = present.transfer_encoding && present.content_length;
+    if both_lengths {
+        headers.remove(CONTENT_LENGTH);
+    }
     let keep_alive = version == Version::HTTP_11
         && framing != Framing::UntilClose
         && !both_lengths
@@ -699,12 +700,12 @@ fn framing(
             _ => Framing::UntilClose,
         });
     }
-    let mut length = None;
     // Looked up only when the head has one.
-    let lengths = present
-        .content_length
-        .then(|| headers.get_all(CONTENT_LENGTH));
-    for value in lengths.iter().flatten() {
+    if !present.content_length {
+        return Ok(Framing::UntilClose);
+    }
+    let mut length = None;
+    for value in &headers.get_all(CONTENT_LENGTH) {
         for part in value.as_bytes().split(|&b| b == b',') {
             let part = part.trim_ascii();
             if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {

@@ -364,20 +364,19 @@ async fn accept_loop<S, B>(
             }
         };
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(Activity::default());
         let front = Front {
             inner: service_for(peer),
             peer,
             metrics: Arc::clone(&metrics),
             limits,
-            activity: Arc::clone(&activity),
+            activity: Arc::new(Activity::default()),
         };
         let builder = builder.clone();
         let stop = stop.clone();
         let metrics = Arc::clone(&metrics);
         tokio::spawn(async move {
             metrics.connection_opened();
-            serve_connection(stream, activity, front, &builder, limits, stop).await;
+            serve_connection(stream, front, &builder, limits, stop).await;
             metrics.connection_closed();
             drop(permit);
         });
@@ -386,7 +385,6 @@ async fn accept_loop<S, B>(
 
 async fn serve_connection<S, B>(
     stream: TcpStream,
-    activity: Arc<Activity>,
     front: Front<S>,
     builder: &auto::Builder<TokioExecutor>,
     limits: Limits,
@@ -400,6 +398,7 @@ async fn serve_connection<S, B>(
     B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let activity = Arc::clone(&front.activity);
     let io = TokioIo::new(ActivityIo::new(stream, Arc::clone(&activity)));
     let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);

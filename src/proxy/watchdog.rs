@@ -146,7 +146,7 @@ impl Watchdog {
             waiting_since: now,
             last_request: now,
         };
-        let first = watchdog.period(false) / CHECKS_PER_PERIOD;
+        let first = watchdog.look_in(false);
         (watchdog, first)
     }
 
@@ -176,17 +176,18 @@ impl Watchdog {
         } else if idle || head_late {
             Verdict::Close
         } else {
-            Verdict::LookIn(self.period(seen.http2) / CHECKS_PER_PERIOD)
+            Verdict::LookIn(self.look_in(seen.http2))
         }
     }
 
-    /// The shortest limit that applies.
-    fn period(&self, http2: bool) -> Duration {
-        if http2 {
+    /// How long until the next look: a fraction of the shortest limit that applies.
+    fn look_in(&self, http2: bool) -> Duration {
+        let period = if http2 {
             self.idle_timeout
         } else {
             self.idle_timeout.min(self.header_read_timeout)
-        }
+        };
+        period / CHECKS_PER_PERIOD
     }
 }
 

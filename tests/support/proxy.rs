@@ -381,10 +381,10 @@ impl Gateway {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("idemgate listening on ") {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(rest.to_owned());
-                    }
+                if let Some(rest) = line.strip_prefix("idemgate listening on ")
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(rest.to_owned());
                 }
                 let mut logs = sink.lock().unwrap();
                 logs.push_str(&line);

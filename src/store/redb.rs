@@ -23,16 +23,22 @@
 //! - `records_by_write`: row number (u64) → record key (32 bytes), then the record: version,
 //!   state tag, fingerprint, expiry, then the state's fields (owner token and lease deadline;
 //!   time stored and the [`Completion::encode`] bytes; time it became ambiguous).
-//! - `expiries_by_write`: expiry (8 bytes, big-endian) ++ row number → nothing. Expired
-//!   records are found in expiry order and removed in bounded batches, without a scan; redb
-//!   reuses the freed pages, so a steady stream of short-lived records keeps the file at a
-//!   steady size.
 //!
-//! The writer keeps the row number of every record key in memory (a 40-byte hash-map entry
-//! a record, up to twice that with the map's spare room), read from the file at open. A file
-//! in the first layout (`records` by record key) is rewritten in this one when it is opened.
+//! That table is the whole file. The writer keeps two indexes of it in memory, read from the
+//! file at open (one pass over the rows) and changed with each write: the row number of every
+//! record key (a hash map), and every row's expiry with its row number (an ordered set).
+//! Expired records are found in expiry order and removed in bounded batches, without a scan
+//! and without a second table to keep on disk: a write changes one table, not two, and redb
+//! reuses the freed pages, so a steady stream of short-lived records keeps the file at a
+//! steady size. The two cost 80 to 120 bytes of memory a record (measured with a million
+//! records: a 40-byte hash-map entry, up to twice that with the map's spare room, and about
+//! 36 bytes in the set).
+//!
+//! Older layouts are brought over when a file is opened: the first (`records` by record key)
+//! is rewritten in this one; the second also kept the expiry index on disk
+//! (`expiries_by_write`), which is dropped.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -81,7 +87,8 @@ const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_write");
-const EXPIRIES: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
+/// The second layout's expiry index on disk: expiry ++ row number. Dropped at open.
+const EXPIRIES_V2: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
 /// The first layout: records by record key. Rewritten in the current one at open.
 const RECORDS_V1: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
 const EXPIRIES_V1: TableDefinition<&[u8; 40], ()> = TableDefinition::new("expiries");
@@ -193,7 +200,7 @@ impl RedbStore {
     /// needed.
     ///
     /// Blocks while redb opens the file, which includes a repair after a crash, and while the
-    /// position of every record is read into memory (one pass over the records table):
+    /// position and expiry of every record are read into memory (one pass over the records):
     /// call it at start-up, or under `spawn_blocking`. Fails if the file is already open, in
     /// another process or in this one.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
@@ -314,7 +321,7 @@ fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
             other => open_error(other.into()),
         })?;
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-    let migrated = migrate_v1(&txn).map_err(open_error)?;
+    let migrated = migrate(&txn).map_err(open_error)?;
     txn.commit().map_err(|e| open_error(e.into()))?;
     // Logged once the migration is committed.
     match migrated {
@@ -486,13 +493,17 @@ fn decode_completion(bytes: &[u8]) -> Result<Completion, StoreError> {
     super::decode_completion(BACKEND, Bytes::copy_from_slice(bytes))
 }
 
-/// The key of a row's expiry entry: expiry, then row number, both big-endian, so entries sort
-/// by expiry first.
-fn index_key(expires: u64, row: u64) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&expires.to_be_bytes());
-    out[8..].copy_from_slice(&row.to_be_bytes());
-    out
+/// When a stored row expires. A row whose record cannot be read still has its expiry read
+/// from its place in the record (after the version, tag and fingerprint); a row too short to
+/// hold one is due now.
+fn row_expiry(row: &[u8]) -> u64 {
+    match parse_row(row) {
+        Ok((header, _)) => header.expires,
+        Err(_) => row
+            .get(32..)
+            .and_then(|record| read_u64(record, 34).ok())
+            .unwrap_or(0),
+    }
 }
 
 /// A stored row: the record key, then the record.
@@ -523,9 +534,12 @@ type Found = (u64, Result<Header, DecodeError>);
 /// A stored row, read in place from its page.
 type StoredRow<'a> = redb::AccessGuard<'a, &'static [u8]>;
 
-/// Where each record key's row is, kept by the writer and read from the file at open.
+/// Where each record key's row is and when each row expires, kept by the writer and read
+/// from the file at open.
 struct RowIndex {
     rows: HashMap<RecordKey, u64>,
+    /// Every row's expiry and row number, soonest first: the sweep's order.
+    expiries: BTreeSet<(u64, u64)>,
     /// The next row number to write.
     next: u64,
 }
@@ -536,13 +550,15 @@ impl RowIndex {
         let table = txn.open_table(RECORDS)?;
         let mut index = Self {
             rows: HashMap::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
+            expiries: BTreeSet::new(),
             next: 0,
         };
         for entry in table.iter()? {
             let (row, value) = entry?;
             let row = row.value();
             index.next = index.next.max(row.saturating_add(1));
-            // An undecodable row keeps no index entry; the sweep removes it when it expires.
+            index.expiries.insert((row_expiry(value.value()), row));
+            // An undecodable row keeps no key entry; the sweep removes it when it expires.
             if let Ok((key, _)) = split_row(value.value()) {
                 // Rows are read in order: a later row of the same key wins.
                 index.rows.insert(key, row);
@@ -558,21 +574,32 @@ impl RowIndex {
     }
 }
 
-/// How many records [`migrate_v1`] carried over, and how many it could not read.
+/// How many records [`migrate`] carried over, and how many it could not read.
 struct Migrated {
     moved: u64,
     unreadable: u64,
 }
 
-/// Creates the tables, and rewrites a file in the first layout (records by record key) in
-/// the current one, keeping every record and its expiry. A file without the old tables is
-/// left as it is (`None`).
-fn migrate_v1(txn: &redb::WriteTransaction) -> Result<Option<Migrated>, redb::Error> {
+/// Creates the table, and brings a file in an older layout over to the current one: the
+/// first layout's records (by record key) are rewritten as rows, keeping every record and its
+/// expiry, and the second layout's expiry index on disk is dropped (the writer keeps it in
+/// memory). A file in the current layout is left as it is (`None`).
+fn migrate(txn: &redb::WriteTransaction) -> Result<Option<Migrated>, redb::Error> {
     let mut records = txn.open_table(RECORDS)?;
-    let mut expiries = txn.open_table(EXPIRIES)?;
-    let v1 = RECORDS_V1.name();
-    if !txn.list_tables()?.any(|table| table.name() == v1) {
-        return Ok(None);
+    let tables: Vec<String> = txn
+        .list_tables()?
+        .map(|table| table.name().to_owned())
+        .collect();
+    let has = |name: &str| tables.iter().any(|table| table == name);
+    let (v1, v2) = (has(RECORDS_V1.name()), has(EXPIRIES_V2.name()));
+    if v2 {
+        txn.delete_table(EXPIRIES_V2)?;
+    }
+    if !v1 {
+        return Ok(v2.then_some(Migrated {
+            moved: 0,
+            unreadable: 0,
+        }));
     }
     let mut next = match records.last()? {
         Some((row, _)) => row.value().saturating_add(1),
@@ -590,7 +617,6 @@ fn migrate_v1(txn: &redb::WriteTransaction) -> Result<Option<Migrated>, redb::Er
                 continue;
             };
             records.insert(next, encode_row(&key, &header, completion).as_slice())?;
-            expiries.insert(&index_key(header.expires, next), ())?;
             next += 1;
             moved += 1;
         }
@@ -810,7 +836,6 @@ struct Poisoned {
 
 struct Tables<'t> {
     records: redb::Table<'t, u64, &'static [u8]>,
-    expiries: redb::Table<'t, &'static [u8; 16], ()>,
     rows: &'t mut RowIndex,
     /// Whether anything was written, so a batch that changed nothing skips the sync.
     dirty: bool,
@@ -999,7 +1024,6 @@ impl Writer {
         let (dirty, swept_all) = {
             let mut tables = Tables {
                 records: txn.open_table(RECORDS).map_err(|e| fail(e.into()))?,
-                expiries: txn.open_table(EXPIRIES).map_err(|e| fail(e.into()))?,
                 rows: &mut self.rows,
                 dirty: false,
             };
@@ -1153,7 +1177,7 @@ impl Tables<'_> {
         let row = self.rows.take_next();
         self.records
             .insert(row, encode_row(key, header, completion).as_slice())?;
-        self.expiries.insert(&index_key(header.expires, row), ())?;
+        self.rows.expiries.insert((header.expires, row));
         self.rows.rows.insert(*key, row);
         self.dirty = true;
         Ok(())
@@ -1166,10 +1190,10 @@ impl Tables<'_> {
         Ok(())
     }
 
-    /// Removes a row and its expiry entry (the row index is the caller's to update).
+    /// Removes a row and its expiry entry (the key's entry is the caller's to update).
     fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
         self.records.remove(row)?;
-        self.expiries.remove(&index_key(expiry, row))?;
+        self.rows.expiries.remove(&(expiry, row));
         Ok(())
     }
 
@@ -1293,7 +1317,7 @@ impl Tables<'_> {
                 Ok(h.is_live(now))
             }
             Err(_) => {
-                // Its expiry entry, if any, finds no row when it comes due.
+                // Its expiry entry finds no row when it comes due.
                 self.records.remove(row)?;
                 self.rows.rows.remove(key);
                 self.dirty = true;
@@ -1304,29 +1328,22 @@ impl Tables<'_> {
 
     /// Removes up to `limit` records that expired by `now`, oldest first.
     fn sweep(&mut self, now: u64, limit: usize) -> Result<usize, redb::Error> {
-        let upper = index_key(now, u64::MAX);
-        let mut doomed = Vec::new();
-        for entry in self.expiries.range::<&[u8; 16]>(..=&upper)?.take(limit) {
-            let (index, _) = entry?;
-            doomed.push(*index.value());
-        }
-        for index in &doomed {
-            self.expiries.remove(index)?;
-            let expiry = read_u64(index, 0).unwrap_or(0);
-            let row = read_u64(index, 8).unwrap_or(0);
-            let (key, header) = match self.records.get(row)? {
-                Some(value) => match split_row(value.value()) {
-                    Ok((key, record)) => (Some(key), Header::parse(record).map(|(h, _)| h)),
-                    Err(e) => (None, Err(e)),
-                },
+        let mut removed = 0;
+        while removed < limit {
+            let Some(&(expiry, row)) = self.rows.expiries.first() else {
+                break;
+            };
+            if expiry > now {
+                break;
+            }
+            self.rows.expiries.pop_first();
+            removed += 1;
+            // The index moves with every write, so a due entry is the row's own expiry. An
+            // undecodable row is removed when due too.
+            let key = match self.records.remove(row)? {
+                Some(value) => split_row(value.value()).ok().map(|(key, _)| key),
                 None => continue,
             };
-            // The index is kept exact; check anyway, so a stale entry never removes a record
-            // that was given a later expiry. An undecodable row is removed when due.
-            if header.is_ok_and(|h| h.expires != expiry) {
-                continue;
-            }
-            self.records.remove(row)?;
             if let Some(key) = key
                 && let std::collections::hash_map::Entry::Occupied(entry) =
                     self.rows.rows.entry(key)
@@ -1335,10 +1352,10 @@ impl Tables<'_> {
                 entry.remove();
             }
         }
-        if !doomed.is_empty() {
+        if removed > 0 {
             self.dirty = true;
         }
-        Ok(doomed.len())
+        Ok(removed)
     }
 }
 
@@ -1693,6 +1710,47 @@ mod tests {
         assert_eq!(after, before, "fenced calls and pings synced the disk");
     }
 
+    /// A response to store: `201 {"charge":1}`.
+    fn charge() -> Completion {
+        Completion::Response(crate::record::StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: Bytes::from_static(b"{\"charge\":1}"),
+        })
+    }
+
+    /// A minute's lease and ttl.
+    fn minute() -> ClaimOptions {
+        ClaimOptions {
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lapse: UnknownOutcome::Ambiguous,
+        }
+    }
+
+    async fn assert_replays(
+        store: &RedbStore,
+        key: &RecordKey,
+        fp: &FingerprintHash,
+        completion: &Completion,
+    ) {
+        match store
+            .claim(key, fp, OwnerToken::generate(), &minute())
+            .await
+            .unwrap()
+        {
+            Claim::Completed(c) => assert_eq!(*c, *completion),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn table_names(txn: &redb::ReadTransaction) -> Vec<String> {
+        txn.list_tables()
+            .unwrap()
+            .map(|t| t.name().to_owned())
+            .collect()
+    }
+
     #[tokio::test]
     async fn a_file_in_the_first_layout_is_rewritten_with_its_records() {
         let path = temp_path("migrate");
@@ -1702,11 +1760,7 @@ mod tests {
             Hash256::of(b"running"),
             Hash256::of(b"gone"),
         );
-        let completion = Completion::Response(crate::record::StoredResponse {
-            status: http::StatusCode::CREATED,
-            headers: http::HeaderMap::new(),
-            body: Bytes::from_static(b"{\"charge\":1}"),
-        });
+        let completion = charge();
         let now = now_ms();
         {
             let db = Database::create(&path).unwrap();
@@ -1752,19 +1806,8 @@ mod tests {
             txn.commit().unwrap();
         }
         let store = RedbStore::open(&path).unwrap();
-        let options = ClaimOptions {
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-            on_lapse: UnknownOutcome::Ambiguous,
-        };
-        match store
-            .claim(&done, &fp, OwnerToken::generate(), &options)
-            .await
-            .unwrap()
-        {
-            Claim::Completed(c) => assert_eq!(*c, completion),
-            other => panic!("{other:?}"),
-        }
+        let options = minute();
+        assert_replays(&store, &done, &fp, &completion).await;
         assert!(matches!(
             store
                 .claim(&running, &fp, OwnerToken::generate(), &options)
@@ -1785,27 +1828,100 @@ mod tests {
         drop(store);
         let db = Database::open(&path).unwrap();
         let txn = db.begin_read().unwrap();
-        let names: Vec<String> = txn
-            .list_tables()
-            .unwrap()
-            .map(|t| redb::TableHandle::name(&t).to_owned())
-            .collect();
-        assert!(
-            !names.iter().any(|n| n == "records" || n == "expiries"),
-            "{names:?}"
-        );
+        assert_eq!(table_names(&txn), [RECORDS.name()]);
         assert_eq!(txn.open_table(RECORDS).unwrap().len().unwrap(), 2);
         drop(txn);
         drop(db);
         let _ = std::fs::remove_file(&path);
     }
 
+    /// The second layout kept the expiry index on disk beside the rows. At open it is dropped
+    /// and rebuilt in memory from the rows: live records replay, expired ones are swept, and
+    /// an undecodable one is kept until the expiry its row still holds.
+    #[tokio::test]
+    async fn a_file_with_the_expiry_index_on_disk_drops_it_and_keeps_its_records() {
+        let path = temp_path("migrate-v2");
+        let fp = Hash256::of(b"fp");
+        let (done, expired, broken) = (
+            Hash256::of(b"done"),
+            Hash256::of(b"gone"),
+            Hash256::of(b"broken"),
+        );
+        let completion = charge();
+        let now = now_ms();
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut records = txn.open_table(RECORDS).unwrap();
+                let mut expiries = txn.open_table(EXPIRIES_V2).unwrap();
+                let completed = |expires| Header {
+                    fingerprint: fp,
+                    expires,
+                    state: StateHeader::Completed { stored_at: now },
+                };
+                let mut unknown_state = encode_row(&broken, &completed(now + 60_000), &[]);
+                unknown_state[32 + 1] = 9;
+                let rows = [
+                    (
+                        now + 60_000,
+                        encode_row(&done, &completed(now + 60_000), &completion.encode()),
+                    ),
+                    (now - 1, encode_row(&expired, &completed(now - 1), &[])),
+                    (now + 60_000, unknown_state),
+                ];
+                for (row, (expires, bytes)) in (0u64..).zip(rows) {
+                    records.insert(row, bytes.as_slice()).unwrap();
+                    let mut index = [0u8; 16];
+                    index[..8].copy_from_slice(&expires.to_be_bytes());
+                    index[8..].copy_from_slice(&row.to_be_bytes());
+                    expiries.insert(&index, ()).unwrap();
+                }
+            }
+            txn.commit().unwrap();
+        }
+        let store = RedbStore::open(&path).unwrap();
+        assert_replays(&store, &done, &fp, &completion).await;
+        // The writer sweeps on its own too: whatever this one finds, nothing expired is left.
+        store.sweep().await.unwrap();
+        assert_eq!(store.sweep().await.unwrap(), 0);
+        drop(store);
+        let db = Database::open(&path).unwrap();
+        let txn = db.begin_read().unwrap();
+        assert_eq!(table_names(&txn), [RECORDS.name()]);
+        let records = txn.open_table(RECORDS).unwrap();
+        let left: Vec<u64> = records
+            .iter()
+            .unwrap()
+            .map(|entry| entry.unwrap().0.value())
+            .collect();
+        assert_eq!(
+            left,
+            [0, 2],
+            "the live records are kept, the expired one swept"
+        );
+        drop(records);
+        drop(txn);
+        drop(db);
+        let _ = std::fs::remove_file(&path);
+    }
+
     #[test]
-    fn index_keys_sort_by_expiry_first() {
-        let a = index_key(1, u64::MAX);
-        let b = index_key(2, 0);
-        assert!(a < b);
-        assert!(index_key(u64::MAX, 0) > index_key(u64::MAX - 1, u64::MAX));
-        assert!(index_key(7, 1) < index_key(7, 2));
+    fn a_rows_expiry_is_read_even_when_its_record_is_not() {
+        let key = Hash256::of(b"k");
+        let header = Header {
+            fingerprint: Hash256::of(b"fp"),
+            expires: 1234,
+            state: StateHeader::Ambiguous { since: 1 },
+        };
+        let row = encode_row(&key, &header, &[]);
+        assert_eq!(row_expiry(&row), 1234);
+        let mut newer = row.clone();
+        newer[32] = VERSION + 1;
+        assert!(parse_row(&newer).is_err());
+        assert_eq!(row_expiry(&newer), 1234);
+        // Too short to hold an expiry: due now.
+        assert_eq!(row_expiry(&row[..32 + 20]), 0);
+        assert_eq!(row_expiry(&[]), 0);
     }
 }

@@ -434,6 +434,43 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
     assert_eq!(upstream.hits("/pay"), 1);
 }
 
+/// An upstream that never completes a connection sent nothing, whichever runs out first: the
+/// connect limit or the request's own deadline (here the same length). So it is a 502 and the
+/// key is released, never an unknown outcome that blocks the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_that_never_connects_is_502_and_the_key_is_released() {
+    // A listener that accepts nothing, with its queue of one filled: the next connect hangs.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let silent = socket.listen(0).unwrap();
+    let addr = silent.local_addr().unwrap();
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    let dir = TempDir::new();
+    let path = dir.write(
+        "idemgate.toml",
+        &format!(
+            "upstream = \"http://{addr}\"\nstore = \"memory\"\n\
+             upstream_timeout = \"1s\"\nupstream_connect_timeout = \"1s\"\n"
+        ),
+    );
+    let gw = Gateway::start(&["--config", &path.to_string_lossy()]);
+    for attempt in 0..3 {
+        let hung = send("POST", &gw.url("/pay"), &[key("k-hung")], "x").await;
+        assert_eq!(hung.status, 502, "attempt {attempt}: {}", hung.text());
+        assert_eq!(
+            hung.problem_type(),
+            "urn:idemgate:problem:upstream-unreachable",
+            "attempt {attempt}"
+        );
+    }
+    drop((filler, silent));
+
+    let upstream = TestUpstream::start_on(addr).await;
+    let up = send("POST", &gw.url("/pay"), &[key("k-hung")], "x").await;
+    assert_eq!(up.status, 201, "the key was released: {}", up.text());
+    assert_eq!(upstream.hits("/pay"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_connections_are_kept_alive_and_closed_ones_replaced() {
     let s = setup().await;

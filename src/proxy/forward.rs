@@ -169,15 +169,7 @@ where
             problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
         }
         Err(error) => {
-            let kind = match error {
-                SendError::Connect(_) | SendError::Client(client::SendError::Unused(_)) => {
-                    UpstreamErrorKind::Unreachable
-                }
-                SendError::ConnectTimedOut | SendError::Client(client::SendError::TimedOut) => {
-                    UpstreamErrorKind::Timeout
-                }
-                SendError::Client(_) => UpstreamErrorKind::Reset,
-            };
+            let kind = error.kind();
             if kind == UpstreamErrorKind::Timeout {
                 tracing::warn!(
                     after_ms = shared.timeout.as_millis() as u64,
@@ -203,6 +195,21 @@ enum SendError {
     /// The connection was had; the exchange on it failed (see [`client::SendError`]).
     #[error(transparent)]
     Client(#[from] client::SendError),
+}
+
+impl SendError {
+    /// What kind of upstream failure this is. Only a failure after the request may have been
+    /// written is a timeout or a reset, whose outcome is unknown: a connection that was never
+    /// made, even one cut short by the request's deadline, sent nothing.
+    fn kind(&self) -> UpstreamErrorKind {
+        match self {
+            SendError::Connect(_)
+            | SendError::ConnectTimedOut
+            | SendError::Client(client::SendError::Unused(_)) => UpstreamErrorKind::Unreachable,
+            SendError::Client(client::SendError::TimedOut) => UpstreamErrorKind::Timeout,
+            SendError::Client(_) => UpstreamErrorKind::Reset,
+        }
+    }
 }
 
 /// Sends the request on an idle connection, or on a new one; an idle connection that fails
@@ -595,5 +602,44 @@ mod tests {
         prepare_response_headers(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("content-type"));
+    }
+
+    /// A connection still being made when the request's deadline passes (before the pool's
+    /// own connect limit) sent nothing: the key is released, not left to an unknown outcome.
+    #[tokio::test]
+    async fn a_connect_cut_by_the_deadline_sent_nothing() {
+        // A listener that accepts nothing, with its queue of one filled: the next connect hangs.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let silent = socket.listen(0).unwrap();
+        let addr = silent.local_addr().unwrap();
+        let _filler = std::net::TcpStream::connect(addr).unwrap();
+
+        let forwarder = Forwarder::new(
+            upstream(&format!("http://{addr}")),
+            Duration::from_millis(200),
+            Duration::from_secs(30),
+            Metrics::new(),
+        );
+        let shared = &forwarder.shared;
+        let (head, ()) = Request::post("/pay").body(()).unwrap().into_parts();
+        let own = OwnFields {
+            set: &[],
+            replaced: &[],
+        };
+        let deadline = tokio::time::Instant::now() + shared.timeout;
+        let body = http_body_util::Empty::<Bytes>::new();
+        let error = send(&shared.pool, &head, &own, body, deadline)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, SendError::ConnectTimedOut), "{error:?}");
+        assert_eq!(error.kind(), UpstreamErrorKind::Unreachable);
+
+        let answer = upstream_failure(error.kind(), shared);
+        assert_eq!(answer.status(), http::StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            answer.extensions().get::<UpstreamFailure>(),
+            Some(&UpstreamFailure::NotSent)
+        );
     }
 }

@@ -308,14 +308,14 @@ impl Keyed {
             if claim.is_ok() {
                 undo.disarm();
             }
-            match claim {
-                Ok(Claim::InFlight { .. })
-                    if wait_until.is_some_and(|end| tokio::time::Instant::now() + poll < end) =>
-                {
-                    tokio::time::sleep(poll).await;
+            let now = tokio::time::Instant::now();
+            match (claim, wait_until) {
+                // The last look is at the deadline itself.
+                (Ok(Claim::InFlight { .. }), Some(end)) if now < end => {
+                    tokio::time::sleep_until((now + poll).min(end)).await;
                     poll = (poll * 2).min(WAIT_POLL_MAX);
                 }
-                other => break other,
+                (other, _) => break other,
             }
         };
         let answer = match claim {

@@ -242,6 +242,35 @@ async fn concurrent_wait_replays_the_first_response() {
     assert_eq!(up.calls(), 1);
 }
 
+/// The waiter looks at the store once more at its deadline, not only at its last pause
+/// before it: a first request that finishes in that last stretch is replayed. (On paused
+/// time: the pauses double from 5 ms to 200 ms, so the last one before 2 s ends at 1 915 ms.)
+#[tokio::test(start_paused = true)]
+async fn concurrent_wait_looks_again_at_its_deadline() {
+    let layer = memory_layer()
+        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(2))));
+    let gate = Arc::new(Notify::new());
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    let first = tokio::spawn({
+        let (layer, up) = (layer.clone(), up.clone());
+        async move { send(&layer, &up, post(Some("k"), "{}")).await }
+    });
+    wait_for_calls(&up, 1).await;
+    let second = tokio::spawn({
+        let (layer, up) = (layer.clone(), up.clone());
+        async move { send(&layer, &up, post(Some("k"), "{}")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1950)).await;
+    gate.notify_one();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(second.decision, Decision::Replayed, "{:?}", second.status);
+    assert_eq!(second.body, first.body);
+    assert_eq!(up.calls(), 1);
+}
+
 #[tokio::test]
 async fn concurrent_wait_runs_the_waiter_when_the_first_response_is_not_kept() {
     let layer = memory_layer()

@@ -139,12 +139,20 @@ fn refusal(state: &AdminState, headers: &HeaderMap) -> Option<Response<AdminBody
     let presented = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(bearer_token);
     match presented {
         Some(p) if constant_time_eq(p.as_bytes(), token.as_bytes()) => None,
         _ => Some(problem(Problem::unauthorized())),
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value; the scheme's case does not matter
+/// (RFC 9110 §11.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 /// Compares without an early exit, so the time taken does not tell how much of a guess was
@@ -374,6 +382,16 @@ fn percent_decode(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bearer_scheme_in_any_case() {
+        for value in ["Bearer t0k", "bearer t0k", "BEARER  t0k ", " Bearer t0k"] {
+            assert_eq!(bearer_token(value), Some("t0k"), "{value:?}");
+        }
+        for value in ["Basic t0k", "Bearer", "Bearert0k", "t0k", ""] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
 
     #[test]
     fn percent_decoding() {

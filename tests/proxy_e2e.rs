@@ -722,7 +722,8 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
         Proxy-Authorization: Basic eA==\r\n\
         TE: trailers\r\n\
         Idempotent-Replayed: true\r\n\
-        X-Forwarded-Host: spoofed.example\r\n\
+        X-Forwarded-Host: front.example\r\n\
+        X-Forwarded-Proto: https\r\n\
         X-Forwarded-For: 10.0.0.1\r\n\
         Idempotency-Key: k-hop\r\n\
         Content-Length: 1\r\n\r\nx";
@@ -747,8 +748,9 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
         s.upstream.addr.to_string(),
         "the upstream comes only from the config"
     );
-    assert_eq!(seen["x-forwarded-host"], "public.example");
-    assert_eq!(seen["x-forwarded-proto"], "http");
+    // Each X-Forwarded-* chain gets this hop appended.
+    assert_eq!(seen["x-forwarded-host"], "front.example, public.example");
+    assert_eq!(seen["x-forwarded-proto"], "https, http");
     assert_eq!(seen["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
     assert_eq!(seen["idempotency-key"], "k-hop", "the key is forwarded");
     assert_eq!(

@@ -306,27 +306,31 @@ static FORWARDER_FIELDS: [HeaderName; 5] = [
 /// `X-Forwarded-Proto`'s value: the gateway listens on plain HTTP.
 static PROTO_HTTP: HeaderValue = HeaderValue::from_static("http");
 
-/// The values of the fields in [`FORWARDER_FIELDS`] that a request gets upstream.
+/// The values of the fields in [`FORWARDER_FIELDS`] that a request gets upstream. Each
+/// `X-Forwarded-*` field is the chain the client sent (a proxy in front of the gateway may
+/// have started it; its fields joined into one), with this hop's value appended.
 #[derive(Debug)]
 struct ForwardedFields {
-    /// `X-Forwarded-For`: the client's chain, if any, then the client's address.
+    /// `X-Forwarded-For`: then the client's address.
     forwarded_for: Option<HeaderValue>,
-    /// `X-Forwarded-Host`: the client's `Host` (or, over HTTP/2, the `:authority`).
+    /// `X-Forwarded-Proto`: then `http`.
+    forwarded_proto: Option<HeaderValue>,
+    /// `X-Forwarded-Host`: then the client's `Host` (or, over HTTP/2, the `:authority`).
     forwarded_host: Option<HeaderValue>,
 }
 
 impl ForwardedFields {
     /// The values for a request with `headers` and `target` from the client at `client_ip`.
-    /// A client's own `X-Forwarded-Host` is dropped, never passed on.
     fn new(headers: &http::HeaderMap, target: &Uri, client_ip: Option<&HeaderValue>) -> Self {
-        let forwarded_host = headers.get(HOST).cloned().or_else(|| {
+        let host = headers.get(HOST).cloned().or_else(|| {
             target
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
         Self {
-            forwarded_for: forwarded_for(headers, client_ip),
-            forwarded_host,
+            forwarded_for: appended(headers, &X_FORWARDED_FOR, client_ip),
+            forwarded_proto: appended(headers, &X_FORWARDED_PROTO, Some(&PROTO_HTTP)),
+            forwarded_host: appended(headers, &X_FORWARDED_HOST, host.as_ref()),
         }
     }
 
@@ -341,9 +345,11 @@ impl ForwardedFields {
         if let Some(chain) = &self.forwarded_for {
             list.push(for_name, chain);
         }
-        list.push(proto_name, &PROTO_HTTP);
-        if let Some(original) = &self.forwarded_host {
-            list.push(host_forwarded_name, original);
+        if let Some(chain) = &self.forwarded_proto {
+            list.push(proto_name, chain);
+        }
+        if let Some(chain) = &self.forwarded_host {
+            list.push(host_forwarded_name, chain);
         }
         list
     }
@@ -367,25 +373,26 @@ impl<'a> FieldList<'a> {
     }
 }
 
-/// The `X-Forwarded-For` sent upstream: the client's chain, its fields joined into one, with
-/// `client_ip` appended.
-fn forwarded_for(
+/// The field `name` sent upstream: the client's chain, its fields joined into one, with
+/// this hop's value `own` appended.
+fn appended(
     headers: &http::HeaderMap,
-    client_ip: Option<&HeaderValue>,
+    name: &HeaderName,
+    own: Option<&HeaderValue>,
 ) -> Option<HeaderValue> {
-    if !crate::headers::contains(headers, &X_FORWARDED_FOR) {
-        return client_ip.cloned();
+    if !crate::headers::contains(headers, name) {
+        return own.cloned();
     }
     let mut chain = Vec::new();
-    for value in headers.get_all(X_FORWARDED_FOR) {
+    for value in headers.get_all(name) {
         let v = value.as_bytes().trim_ascii();
         if !v.is_empty() {
             chain.extend_from_slice(v);
             chain.extend_from_slice(b", ");
         }
     }
-    match client_ip {
-        Some(ip) => chain.extend_from_slice(ip.as_bytes()),
+    match own {
+        Some(value) => chain.extend_from_slice(value.as_bytes()),
         None => chain.truncate(chain.len().saturating_sub(2)),
     }
     HeaderValue::from_bytes(&chain)
@@ -537,7 +544,7 @@ mod tests {
         h.insert("host", HeaderValue::from_static("public.example"));
         h.insert(
             "x-forwarded-host",
-            HeaderValue::from_static("spoofed.example"),
+            HeaderValue::from_static("front.example"),
         );
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
@@ -549,22 +556,19 @@ mod tests {
             "POST /pay HTTP/1.1\r\n\
              host: 127.0.0.1:3000\r\n\
              x-forwarded-for: 10.0.0.1, 10.0.0.2, 192.0.2.7\r\n\
-             x-forwarded-proto: http\r\n\
-             x-forwarded-host: public.example\r\n\
+             x-forwarded-proto: https, http\r\n\
+             x-forwarded-host: front.example, public.example\r\n\
              idempotency-key: k1\r\n\
              content-length: 2\r\n\r\n",
-            "hop-by-hop fields, a forged replay mark and the client's own Host and \
-             X-Forwarded-* are not sent; the key is, so the upstream can deduplicate too"
+            "hop-by-hop fields, a forged replay mark and the client's own Host are not sent; \
+             each X-Forwarded-* chain gets this hop appended; the key is sent, so the upstream \
+             can deduplicate too"
         );
     }
 
     #[test]
-    fn request_without_host_or_chain_gets_the_client_address_alone() {
+    fn request_without_host_or_chains_gets_this_hop_alone() {
         let mut h = http::HeaderMap::new();
-        h.insert(
-            "x-forwarded-host",
-            HeaderValue::from_static("spoofed.example"),
-        );
         h.insert("x-forwarded-for", HeaderValue::from_static("  "));
         assert_eq!(
             head_sent(h),
@@ -572,6 +576,21 @@ mod tests {
              host: 127.0.0.1:3000\r\n\
              x-forwarded-for: 192.0.2.7\r\n\
              x-forwarded-proto: http\r\n\
+             content-length: 2\r\n\r\n"
+        );
+        // Without a Host of its own, the request's X-Forwarded-Host chain passes as it came.
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            "x-forwarded-host",
+            HeaderValue::from_static("front.example"),
+        );
+        assert_eq!(
+            head_sent(h),
+            "POST /pay HTTP/1.1\r\n\
+             host: 127.0.0.1:3000\r\n\
+             x-forwarded-for: 192.0.2.7\r\n\
+             x-forwarded-proto: http\r\n\
+             x-forwarded-host: front.example\r\n\
              content-length: 2\r\n\r\n"
         );
     }
@@ -582,11 +601,14 @@ mod tests {
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
         h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.2 "));
         assert_eq!(
-            forwarded_for(&h, None).unwrap(),
+            appended(&h, &X_FORWARDED_FOR, None).unwrap(),
             "10.0.0.1, 10.0.0.2",
             "fields joined into one"
         );
-        assert_eq!(forwarded_for(&http::HeaderMap::new(), None), None);
+        assert_eq!(
+            appended(&http::HeaderMap::new(), &X_FORWARDED_FOR, None),
+            None
+        );
     }
 
     #[test]

@@ -469,6 +469,10 @@ pub enum Decision {
     PassedThrough,
     /// The request ran upstream under a fresh claim.
     Executed,
+    /// The request was claimed and forwarded, and the inner service answered for an
+    /// upstream that gave no response (a response marked with [`UpstreamFailure`]): the key
+    /// was released if nothing was sent, or else left to the route's `unknown_outcome`.
+    UpstreamFailed,
     /// The stored response was replayed; the upstream was not called.
     Replayed,
     /// The same request was in flight: `409` (or it still was after waiting).
@@ -494,9 +498,10 @@ pub enum Decision {
 
 impl Decision {
     /// Every decision, in declaration order (`ALL[d as usize] == d`).
-    pub const ALL: [Decision; 12] = [
+    pub const ALL: [Decision; 13] = [
         Decision::PassedThrough,
         Decision::Executed,
+        Decision::UpstreamFailed,
         Decision::Replayed,
         Decision::InFlight,
         Decision::Mismatch,
@@ -514,6 +519,7 @@ impl Decision {
         match self {
             Decision::PassedThrough => "passed_through",
             Decision::Executed => "executed",
+            Decision::UpstreamFailed => "upstream_failed",
             Decision::Replayed => "replayed",
             Decision::InFlight => "in_flight",
             Decision::Mismatch => "mismatch",

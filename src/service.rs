@@ -403,11 +403,11 @@ impl Keyed {
         match response.extensions().get::<UpstreamFailure>() {
             Some(UpstreamFailure::NotSent) => {
                 self.release(token).await;
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
             }
             Some(UpstreamFailure::Unknown) => {
                 self.outcome_unknown(token).await;
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
             }
             None => {}
         }

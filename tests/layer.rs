@@ -334,6 +334,7 @@ async fn unknown_outcome_is_ambiguous_on_api_and_retried_on_webhook() {
     let api = memory_layer();
     let first = send(&api, &up, post(Some("k"), "{}")).await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(first.decision, Decision::UpstreamFailed);
     let retry = send(&api, &up, post(Some("k"), "{}")).await;
     assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
     assert_eq!(retry.problem_type(), "urn:idemgate:problem:outcome-unknown");
@@ -361,7 +362,8 @@ async fn nothing_sent_releases_the_key() {
     *up.failure.lock().unwrap() = Some(UpstreamFailure::NotSent);
     *up.status.lock().unwrap() = Some(StatusCode::BAD_GATEWAY);
     let layer = memory_layer();
-    send(&layer, &up, post(Some("k"), "{}")).await;
+    let failed = send(&layer, &up, post(Some("k"), "{}")).await;
+    assert_eq!(failed.decision, Decision::UpstreamFailed);
     *up.failure.lock().unwrap() = None;
     *up.status.lock().unwrap() = None;
     let retry = send(&layer, &up, post(Some("k"), "{}")).await;

@@ -421,6 +421,14 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
         down.problem_type(),
         "urn:idemgate:problem:upstream-unreachable"
     );
+    let metrics = admin_get(&gw, "/metrics", &[]).await.text();
+    for needle in [
+        "idemgate_requests_total{route=\"default\",outcome=\"upstream_failed\"} 1\n",
+        "idemgate_upstream_errors_total{kind=\"unreachable\"} 1\n",
+    ] {
+        assert!(metrics.contains(needle), "{needle} not in:\n{metrics}");
+    }
+    assert!(!metrics.contains("outcome=\"executed\""), "{metrics}");
 
     let upstream = TestUpstream::start_on(addr).await;
     let up = send("POST", &gw.url("/pay"), &[key("k-down")], "x").await;

@@ -440,6 +440,8 @@ mod tests {
         for code in [401, 403, 408, 425, 429, 500, 502, 503, 504] {
             assert!(!set.contains(s(code)), "{code} should not be stored");
         }
+        assert_eq!(Preset::Api.unknown_outcome(), UnknownOutcome::Ambiguous);
+        assert_eq!(Preset::Api.ttl(), Duration::from_secs(24 * 3600));
     }
 
     #[test]
@@ -454,7 +456,11 @@ mod tests {
     #[test]
     fn strict_preset_stores_5xx() {
         let set = Preset::Strict.store_statuses();
-        assert!(set.contains(s(500)) && set.contains(s(200)) && set.contains(s(429)));
+        for code in [200, 201, 301, 401, 403, 408, 425, 429, 500, 502, 503, 504] {
+            assert!(set.contains(s(code)), "{code} should be stored");
+        }
+        assert_eq!(Preset::Strict.unknown_outcome(), UnknownOutcome::Ambiguous);
+        assert_eq!(Preset::Strict.ttl(), Duration::from_secs(24 * 3600));
     }
 
     #[test]

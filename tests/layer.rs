@@ -70,6 +70,10 @@ fn upstream_service(
             h.append("x-multi", HeaderValue::from_static("two"));
             h.insert("set-cookie", HeaderValue::from_static("session=abc"));
             h.insert("idempotent-replayed", HeaderValue::from_static("spoofed"));
+            // Hop-by-hop fields, as an inner service that is not the proxy's may leave them.
+            h.insert("connection", HeaderValue::from_static("x-hop"));
+            h.insert("x-hop", HeaderValue::from_static("1"));
+            h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
             if let Some(failure) = *up.failure.lock().unwrap() {
                 response.extensions_mut().insert(failure);
             }
@@ -155,6 +159,22 @@ async fn first_request_runs_and_retry_replays_byte_for_byte() {
         retry.headers.get("set-cookie").is_none(),
         "Set-Cookie is not stored by default"
     );
+    for hop in ["connection", "x-hop", "keep-alive"] {
+        assert!(
+            retry.headers.get(hop).is_none(),
+            "hop-by-hop {hop} was stored"
+        );
+    }
+}
+
+#[tokio::test]
+async fn set_cookie_is_stored_when_the_route_says_so() {
+    let layer = memory_layer().default_route(RoutePolicy::api().store_set_cookie(true));
+    let up = Arc::new(Upstream::default());
+    send(&layer, &up, post(Some("k1"), "{}")).await;
+    let retry = send(&layer, &up, post(Some("k1"), "{}")).await;
+    assert_eq!(retry.decision, Decision::Replayed);
+    assert_eq!(retry.headers["set-cookie"], "session=abc");
 }
 
 #[tokio::test]

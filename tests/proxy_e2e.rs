@@ -626,6 +626,38 @@ async fn sigterm_lets_an_open_request_finish_and_store_its_response() {
     assert_eq!(upstream.hits("/drain"), 1);
 }
 
+/// After SIGTERM the gateway also waits for work whose client already hung up: its
+/// connection is gone, but the upstream call runs to the end and its response is stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_waits_for_the_work_of_a_client_that_hung_up() {
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let store = format!("redb:{}", dir.path().join("records.redb").display());
+    let mut gw = Gateway::start(&["--upstream", &upstream.url(), "--store", &store]);
+    let url = gw.url("/gone");
+    let hung_up = tokio::spawn(async move {
+        send("POST", &url, &[key("k-gone"), ("x-delay-ms", "1000")], "x").await
+    });
+    upstream.wait_for_hit("/gone").await;
+    hung_up.abort();
+    let _ = hung_up.await;
+    gw.sigterm();
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .expect("the gateway exits");
+    assert!(status.success(), "exit status {status:?}");
+    assert_eq!(
+        upstream.finished(),
+        1,
+        "the gateway exited before the upstream call it owned had finished"
+    );
+
+    let gw = Gateway::start(&["--upstream", &upstream.url(), "--store", &store]);
+    let replay = send("POST", &gw.url("/gone"), &[key("k-gone")], "x").await;
+    assert!(replay.replayed(), "{} {}", replay.status, replay.text());
+    assert_eq!(upstream.hits("/gone"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn past_the_shutdown_grace_open_requests_are_cut_and_not_counted_as_abandoned() {
     let upstream = TestUpstream::start().await;

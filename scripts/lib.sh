@@ -56,7 +56,10 @@ stop_pid() {
 # Builds the release binaries the scripts run (extra cargo flags as arguments); sets BIN.
 build_release() {
     log "building release binaries"
-    cargo build --release --locked --examples --bins "$@" >&2
+    # The gateway on its own, as it ships: built together with the examples it would get the
+    # features their dev-dependencies turn on (tokio's test-util).
+    cargo build --release --locked --bins "$@" >&2
+    cargo build --release --locked --examples "$@" >&2
     BIN="$ROOT/target/release"
 }
 

@@ -308,11 +308,11 @@ impl Keyed {
             if claim.is_ok() {
                 undo.disarm();
             }
-            let now = tokio::time::Instant::now();
             match (claim, wait_until) {
                 // The last look is at the deadline itself.
-                (Ok(Claim::InFlight { .. }), Some(end)) if now < end => {
-                    tokio::time::sleep_until((now + poll).min(end)).await;
+                (Ok(Claim::InFlight { .. }), Some(end)) if tokio::time::Instant::now() < end => {
+                    let next = tokio::time::Instant::now() + poll;
+                    tokio::time::sleep_until(next.min(end)).await;
                     poll = (poll * 2).min(WAIT_POLL_MAX);
                 }
                 (other, _) => break other,
@@ -400,16 +400,12 @@ impl Keyed {
                 return Err(error);
             }
         };
-        match response.extensions().get::<UpstreamFailure>() {
-            Some(UpstreamFailure::NotSent) => {
-                self.release(token).await;
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
+        if let Some(&failure) = response.extensions().get::<UpstreamFailure>() {
+            match failure {
+                UpstreamFailure::NotSent => self.release(token).await,
+                UpstreamFailure::Unknown => self.outcome_unknown(token).await,
             }
-            Some(UpstreamFailure::Unknown) => {
-                self.outcome_unknown(token).await;
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
-            }
-            None => {}
+            return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
         }
         if !policy.store_statuses.contains(response.status()) {
             // Not kept, so nothing to buffer: release first so the retry may run, then stream.

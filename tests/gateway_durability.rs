@@ -370,12 +370,10 @@ async fn a_gateway_starts_while_redis_is_down_and_reports_it_after_listening() {
     assert_store_unavailable(&refused);
     assert_eq!(upstream.hits("/down"), 0);
     assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
-    let logs = eventually(100, || async {
-        let logs = gw.logs();
-        logs.contains("store not reachable yet").then_some(logs)
-    })
-    .await
-    .unwrap_or_else(|| panic!("the unreachable store is reported:\n{}", gw.logs()));
+    let logs = gw
+        .logs_with("store not reachable yet")
+        .await
+        .unwrap_or_else(|| panic!("the unreachable store is reported:\n{}", gw.logs()));
     let listening = logs
         .find("idemgate listening on")
         .expect("the listening line");

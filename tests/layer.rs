@@ -215,10 +215,7 @@ async fn in_flight_same_request_is_409_with_retry_after() {
         gate: Some(gate.clone()),
         ..Default::default()
     });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
     let second = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(second.status, StatusCode::CONFLICT);
@@ -236,24 +233,31 @@ async fn in_flight_same_request_is_409_with_retry_after() {
     assert_eq!(up.calls(), 1);
 }
 
-#[tokio::test]
-async fn concurrent_wait_replays_the_first_response() {
-    let layer = memory_layer()
-        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(10))));
+/// A layer whose default route waits `limit` for a request with the same key in flight, and
+/// an upstream that holds each call until `gate` is notified.
+fn gated_waiting_layer(limit: Duration) -> (IdempotencyLayer, Arc<Notify>, Arc<Upstream>) {
+    let layer =
+        memory_layer().default_route(RoutePolicy::api().concurrent(Concurrent::Wait(limit)));
     let gate = Arc::new(Notify::new());
     let up = Arc::new(Upstream {
         gate: Some(gate.clone()),
         ..Default::default()
     });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    (layer, gate, up)
+}
+
+/// Sends `POST {}` with key `k` in a task of its own.
+fn spawn_send(layer: &IdempotencyLayer, up: &Arc<Upstream>) -> tokio::task::JoinHandle<Answer> {
+    let (layer, up) = (layer.clone(), up.clone());
+    tokio::spawn(async move { send(&layer, &up, post(Some("k"), "{}")).await })
+}
+
+#[tokio::test]
+async fn concurrent_wait_replays_the_first_response() {
+    let (layer, gate, up) = gated_waiting_layer(Duration::from_secs(10));
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
-    let second = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let second = spawn_send(&layer, &up);
     tokio::time::sleep(Duration::from_millis(50)).await;
     gate.notify_one();
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
@@ -267,22 +271,10 @@ async fn concurrent_wait_replays_the_first_response() {
 /// time: the pauses double from 5 ms to 200 ms, so the last one before 2 s ends at 1 915 ms.)
 #[tokio::test(start_paused = true)]
 async fn concurrent_wait_looks_again_at_its_deadline() {
-    let layer = memory_layer()
-        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(2))));
-    let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream {
-        gate: Some(gate.clone()),
-        ..Default::default()
-    });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let (layer, gate, up) = gated_waiting_layer(Duration::from_secs(2));
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
-    let second = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let second = spawn_send(&layer, &up);
     tokio::time::sleep(Duration::from_millis(1950)).await;
     gate.notify_one();
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
@@ -293,24 +285,12 @@ async fn concurrent_wait_looks_again_at_its_deadline() {
 
 #[tokio::test]
 async fn concurrent_wait_runs_the_waiter_when_the_first_response_is_not_kept() {
-    let layer = memory_layer()
-        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_secs(10))));
-    let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream {
-        gate: Some(gate.clone()),
-        ..Default::default()
-    });
+    let (layer, gate, up) = gated_waiting_layer(Duration::from_secs(10));
     // A 503 is outside the api preset's kept statuses: the first leaves nothing to replay.
     *up.status.lock().unwrap() = Some(StatusCode::SERVICE_UNAVAILABLE);
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
-    let second = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let second = spawn_send(&layer, &up);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(up.calls(), 1, "the second waits while the first runs");
     gate.notify_one();
@@ -327,17 +307,8 @@ async fn concurrent_wait_runs_the_waiter_when_the_first_response_is_not_kept() {
 
 #[tokio::test]
 async fn concurrent_wait_gives_up_with_409_after_its_timeout() {
-    let layer = memory_layer()
-        .default_route(RoutePolicy::api().concurrent(Concurrent::Wait(Duration::from_millis(100))));
-    let gate = Arc::new(Notify::new());
-    let up = Arc::new(Upstream {
-        gate: Some(gate.clone()),
-        ..Default::default()
-    });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let (layer, gate, up) = gated_waiting_layer(Duration::from_millis(100));
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
     let second = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(second.status, StatusCode::CONFLICT);
@@ -639,10 +610,7 @@ async fn a_fenced_owner_still_answers_its_client_and_is_counted() {
         gate: Some(gate.clone()),
         ..Default::default()
     });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
     // An operator deletes the record and a new request takes the key over.
     let record = idemgate::fingerprint::record_key(
@@ -652,10 +620,7 @@ async fn a_fenced_owner_still_answers_its_client_and_is_counted() {
         "k",
     );
     assert!(store.delete(&record).await.unwrap());
-    let second = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let second = spawn_send(&layer, &up);
     wait_for_calls(&up, 2).await;
     gate.notify_one();
     gate.notify_one();
@@ -819,10 +784,7 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
         gate: Some(gate.clone()),
         ..Default::default()
     });
-    let first = tokio::spawn({
-        let (layer, up) = (layer.clone(), up.clone());
-        async move { send(&layer, &up, post(Some("k"), "{}")).await }
-    });
+    let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
     tokio::time::sleep(Duration::from_millis(400)).await; // several leases long
     let during = send(&layer, &up, post(Some("k"), "{}")).await;

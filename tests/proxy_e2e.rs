@@ -104,12 +104,10 @@ async fn nothing_stored_executes_then_completed_same_replays() {
     );
 
     // The log line carries the route, outcome and a short record hash, never the raw key.
-    let logs = eventually(40, || async {
-        let logs = s.gw.logs();
-        logs.contains("replayed").then_some(logs)
-    })
-    .await
-    .expect("a log line for the replay");
+    let logs =
+        s.gw.logs_with("replayed")
+            .await
+            .expect("a log line for the replay");
     assert!(
         logs.contains("executed") && logs.contains("route=default"),
         "{logs}"
@@ -681,12 +679,10 @@ async fn past_the_shutdown_grace_open_requests_are_cut_and_not_counted_as_abando
     assert!(status.success(), "exit status {status:?}");
     slow.abort();
     // Its output is read by a thread of this test: wait for the last lines to come in.
-    let logs = eventually(100, || async {
-        let logs = gw.logs();
-        logs.contains("shutdown grace passed").then_some(logs)
-    })
-    .await
-    .unwrap_or_else(|| panic!("the grace's end is logged:\n{}", gw.logs()));
+    let logs = gw
+        .logs_with("shutdown grace passed")
+        .await
+        .unwrap_or_else(|| panic!("the grace's end is logged:\n{}", gw.logs()));
     assert!(
         !logs.contains("request abandoned"),
         "cut by the gateway, not abandoned by its client:\n{logs}"
@@ -840,20 +836,12 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
 #[tokio::test(flavor = "multi_thread")]
 async fn responses_use_the_clients_http_version() {
     // An upstream that answers in HTTP/1.0, as some small servers do.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let upstream = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut buf = vec![0u8; 4096];
-                let _ = stream.read(&mut buf).await;
-                let _ = stream
-                    .write_all(b"HTTP/1.0 201 Created\r\nContent-Length: 2\r\n\r\nok")
-                    .await;
-            });
-        }
-    });
+    let (addr, upstream) = pausing_upstream(
+        b"HTTP/1.0 201 Created\r\nContent-Length: 2\r\n\r\nok",
+        Duration::ZERO,
+        b"",
+    )
+    .await;
     let gw = Gateway::start(&["--upstream", &format!("http://{addr}"), "--store", "memory"]);
     let response = raw(gw.addr, b"POST /v HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-v\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").await;
     assert!(response.starts_with("HTTP/1.1 201"), "{response}");

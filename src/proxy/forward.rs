@@ -327,10 +327,26 @@ impl ForwardedFields {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
+        // One pass over the names finds which chains came (most requests bring none): the
+        // three `X-Forwarded-*` names of [`FORWARDER_FIELDS`].
+        let mut came = [false; 3];
+        for name in headers.keys() {
+            for (came, chain) in came.iter_mut().zip(&FORWARDER_FIELDS[1..4]) {
+                *came |= name == chain;
+            }
+        }
+        let field = |came: bool, name: &HeaderName, own: Option<&HeaderValue>| {
+            if came {
+                appended(headers, name, own)
+            } else {
+                own.cloned()
+            }
+        };
+        let [came_for, came_proto, came_host] = came;
         Self {
-            forwarded_for: appended(headers, &X_FORWARDED_FOR, client_ip),
-            forwarded_proto: appended(headers, &X_FORWARDED_PROTO, Some(&PROTO_HTTP)),
-            forwarded_host: appended(headers, &X_FORWARDED_HOST, host.as_ref()),
+            forwarded_for: field(came_for, &X_FORWARDED_FOR, client_ip),
+            forwarded_proto: field(came_proto, &X_FORWARDED_PROTO, Some(&PROTO_HTTP)),
+            forwarded_host: field(came_host, &X_FORWARDED_HOST, host.as_ref()),
         }
     }
 
@@ -380,9 +396,6 @@ fn appended(
     name: &HeaderName,
     own: Option<&HeaderValue>,
 ) -> Option<HeaderValue> {
-    if !crate::headers::contains(headers, name) {
-        return own.cloned();
-    }
     let mut chain = Vec::new();
     for value in headers.get_all(name) {
         let v = value.as_bytes().trim_ascii();

@@ -301,9 +301,9 @@ impl RedbStore {
     }
 }
 
-/// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the tables,
-/// so reads never find them missing; brings a file in the first layout over; and reads where
-/// each record's row is.
+/// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the table,
+/// so reads never find it missing; brings a file in an older layout over; and reads where each
+/// record's row is and when it expires.
 fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
     let open_error = |source: redb::Error| {
         unavailable(RedbError::Open {

@@ -425,6 +425,16 @@ impl Gateway {
         format!("http://{}{path}", self.addr)
     }
 
+    /// The logs once they hold `needle`, waiting up to 5 s (they are read by a thread of the
+    /// test, so the last lines come in a moment after they are written).
+    pub async fn logs_with(&self, needle: &str) -> Option<String> {
+        eventually(100, || async {
+            let logs = self.logs();
+            logs.contains(needle).then_some(logs)
+        })
+        .await
+    }
+
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()
     }
@@ -479,7 +489,10 @@ impl Drop for Gateway {
 
 /// The gateway command with a clean `IDEMGATE_*` environment.
 pub fn gateway_command() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    without_gateway_env(Command::new(env!("CARGO_BIN_EXE_idemgate")))
+}
+
+fn without_gateway_env(mut cmd: Command) -> Command {
     for var in GATEWAY_ENV {
         cmd.env_remove(var);
     }
@@ -493,10 +506,7 @@ pub fn gateway_command_after(setup: &str) -> Command {
     cmd.arg("-c")
         .arg(format!("{setup}; exec \"$0\" \"$@\""))
         .arg(env!("CARGO_BIN_EXE_idemgate"));
-    for var in GATEWAY_ENV {
-        cmd.env_remove(var);
-    }
-    cmd
+    without_gateway_env(cmd)
 }
 
 /// A response, read whole.

@@ -16,6 +16,12 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
     UPGRADE,
 ];
 
+/// Room for fields in the header map of a response the gateway makes or relays. hyper keeps the
+/// map of each response it writes and parses the connection's next request into it, growing it
+/// (two allocations and a rehash) if that request has more fields than the map has room for;
+/// requests commonly carry 10 to 20, often more than the response they follow.
+pub(crate) const RESPONSE_FIELDS_ROOM: usize = 16;
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few

@@ -617,7 +617,9 @@ fn parse_head(
         spans.push((name, start, start + field.value.len()));
     }
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(spans.len());
+    // Room for the client's next request: hyper parses it into this map.
+    let mut headers =
+        HeaderMap::with_capacity(spans.len().max(crate::headers::RESPONSE_FIELDS_ROOM));
     for (name, start, end) in spans.drain(..) {
         let value = HeaderValue::from_maybe_shared(head.slice(start..end))
             .map_err(|_| ClientError::Malformed("bad header value"))?;

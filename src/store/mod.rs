@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
+mod key_hash;
 mod memory;
 #[cfg(feature = "redb")]
 mod redb;

@@ -38,7 +38,7 @@
 //! is rewritten in this one; the second also kept the expiry index on disk
 //! (`expiries_by_write`), which is dropped.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,12 +47,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use hashbrown::HashTable;
 use redb::{
     Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata,
     TableDefinition, TableHandle,
 };
 use tokio::sync::{mpsc, oneshot};
 
+use super::key_hash::KeyHasher;
 use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
 use crate::record::{
     Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
@@ -537,7 +539,9 @@ type StoredRow<'a> = redb::AccessGuard<'a, &'static [u8]>;
 /// Where each record key's row is and when each row expires, kept by the writer and read
 /// from the file at open.
 struct RowIndex {
-    rows: HashMap<RecordKey, u64>,
+    /// Each record key with its row number.
+    rows: HashTable<(RecordKey, u64)>,
+    hasher: KeyHasher,
     /// Every row's expiry and row number, soonest first: the sweep's order.
     expiries: BTreeSet<(u64, u64)>,
     /// The next row number to write.
@@ -549,7 +553,8 @@ impl RowIndex {
         let txn = db.begin_read()?;
         let table = txn.open_table(RECORDS)?;
         let mut index = Self {
-            rows: HashMap::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
+            rows: HashTable::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
+            hasher: KeyHasher::new(),
             expiries: BTreeSet::new(),
             next: 0,
         };
@@ -561,10 +566,38 @@ impl RowIndex {
             // An undecodable row keeps no key entry; the sweep removes it when it expires.
             if let Ok((key, _)) = split_row(value.value()) {
                 // Rows are read in order: a later row of the same key wins.
-                index.rows.insert(key, row);
+                index.set_row(key, row);
             }
         }
         Ok(index)
+    }
+
+    /// The row number of `key`'s record, if it has one.
+    fn row_of(&self, key: &RecordKey) -> Option<u64> {
+        let hash = self.hasher.hash(key);
+        self.rows.find(hash, |(k, _)| k == key).map(|&(_, row)| row)
+    }
+
+    /// Notes that `key`'s record is now in `row`.
+    fn set_row(&mut self, key: RecordKey, row: u64) {
+        let hash = self.hasher.hash(&key);
+        match self.rows.find_mut(hash, |(k, _)| *k == key) {
+            Some(entry) => entry.1 = row,
+            None => {
+                let hasher = &self.hasher;
+                self.rows
+                    .insert_unique(hash, (key, row), |(k, _)| hasher.hash(k));
+            }
+        }
+    }
+
+    /// Forgets `key`'s row; with `only`, only if that is its row.
+    fn forget(&mut self, key: &RecordKey, only: Option<u64>) {
+        let hash = self.hasher.hash(key);
+        let matches = |&(k, row): &(RecordKey, u64)| k == *key && only.is_none_or(|r| r == row);
+        if let Ok(entry) = self.rows.find_entry(hash, matches) {
+            entry.remove();
+        }
     }
 
     fn take_next(&mut self) -> u64 {
@@ -1149,7 +1182,7 @@ impl Tables<'_> {
 
     /// The row number and stored row of `key`'s record, if it has one.
     fn stored(&self, key: &RecordKey) -> Result<Option<(u64, StoredRow<'_>)>, redb::Error> {
-        let Some(&row) = self.rows.rows.get(key) else {
+        let Some(row) = self.rows.row_of(key) else {
             return Ok(None);
         };
         Ok(self.records.get(row)?.map(|value| (row, value)))
@@ -1178,14 +1211,14 @@ impl Tables<'_> {
         self.records
             .insert(row, encode_row(key, header, completion).as_slice())?;
         self.rows.expiries.insert((header.expires, row));
-        self.rows.rows.insert(*key, row);
+        self.rows.set_row(*key, row);
         self.dirty = true;
         Ok(())
     }
 
     fn remove(&mut self, key: &RecordKey, row: u64, expiry: u64) -> Result<(), redb::Error> {
         self.remove_row(row, expiry)?;
-        self.rows.rows.remove(key);
+        self.rows.forget(key, None);
         self.dirty = true;
         Ok(())
     }
@@ -1319,7 +1352,7 @@ impl Tables<'_> {
             Err(_) => {
                 // Its expiry entry finds no row when it comes due.
                 self.records.remove(row)?;
-                self.rows.rows.remove(key);
+                self.rows.forget(key, None);
                 self.dirty = true;
                 Ok(true)
             }
@@ -1344,12 +1377,8 @@ impl Tables<'_> {
                 Some(value) => split_row(value.value()).ok().map(|(key, _)| key),
                 None => continue,
             };
-            if let Some(key) = key
-                && let std::collections::hash_map::Entry::Occupied(entry) =
-                    self.rows.rows.entry(key)
-                && *entry.get() == row
-            {
-                entry.remove();
+            if let Some(key) = key {
+                self.rows.forget(&key, Some(row));
             }
         }
         if removed > 0 {

@@ -14,12 +14,12 @@
 //! never pile up.
 
 use std::collections::BinaryHeap;
-use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
 use super::Tick;
 use crate::record::RecordKey;
+use crate::store::key_hash::KeyHasher;
 
 /// The slot number that names no slot: the end of the free list.
 const NONE: u32 = u32::MAX;
@@ -30,7 +30,7 @@ const MIN_FILINGS: usize = 64;
 pub(super) struct Table<V> {
     /// Slot numbers of the rows, hashed by their row's key.
     index: HashTable<u32>,
-    hasher: std::hash::RandomState,
+    hasher: KeyHasher,
     slots: Vec<Slot<V>>,
     /// The first vacant slot, or [`NONE`].
     vacant: u32,
@@ -101,7 +101,7 @@ impl<V> Default for Table<V> {
     fn default() -> Self {
         Self {
             index: HashTable::new(),
-            hasher: std::hash::RandomState::new(),
+            hasher: KeyHasher::new(),
             slots: Vec::new(),
             vacant: NONE,
             due: BinaryHeap::new(),
@@ -110,9 +110,9 @@ impl<V> Default for Table<V> {
 }
 
 /// The hash of the key in slot `slot` (zero for a vacant slot, which the index never holds).
-fn slot_hash<V>(hasher: &std::hash::RandomState, slots: &[Slot<V>], slot: u32) -> u64 {
+fn slot_hash<V>(hasher: &KeyHasher, slots: &[Slot<V>], slot: u32) -> u64 {
     match slots.get(slot as usize) {
-        Some(Slot::Occupied(row)) => hasher.hash_one(row.key),
+        Some(Slot::Occupied(row)) => hasher.hash(&row.key),
         _ => 0,
     }
 }
@@ -120,7 +120,7 @@ fn slot_hash<V>(hasher: &std::hash::RandomState, slots: &[Slot<V>], slot: u32) -
 impl<V> Table<V> {
     /// The row under `key`, if any (expired or not), and its place.
     pub(super) fn find(&self, key: &RecordKey) -> Option<(Id, &Row<V>)> {
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hasher.hash(key);
         let mut found = None;
         self.index
             .find(hash, |&slot| match self.slots.get(slot as usize) {
@@ -183,7 +183,7 @@ impl<V> Table<V> {
             slots,
             ..
         } = self;
-        index.insert_unique(hasher.hash_one(key), slot, |&s| slot_hash(hasher, slots, s));
+        index.insert_unique(hasher.hash(&key), slot, |&s| slot_hash(hasher, slots, s));
         self.file(slot, expires);
         Ok(Id(slot))
     }
@@ -192,7 +192,7 @@ impl<V> Table<V> {
     pub(super) fn remove(&mut self, id: Id) -> Option<Row<V>> {
         let slot = id.0;
         let hash = match self.slots.get(slot as usize) {
-            Some(Slot::Occupied(row)) => self.hasher.hash_one(row.key),
+            Some(Slot::Occupied(row)) => self.hasher.hash(&row.key),
             _ => return None,
         };
         if let Ok(found) = self.index.find_entry(hash, |&s| s == slot) {

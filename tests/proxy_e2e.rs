@@ -552,6 +552,56 @@ async fn chunked_and_large_bodies_cross_whole_both_ways() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_hangs_up_during_an_over_limit_response_still_gets_it_recorded() {
+    let s = setup_with(r#"max_response_bytes = "64KiB""#).await;
+    // 32 MiB: far more than the loopback socket buffers hold, so the relay is still going
+    // when the client, having read only the head, goes away.
+    let request = "POST /big-hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-big\r\nX-Size: 33554432\r\nContent-Length: 2\r\n\r\n{}";
+    {
+        let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
+            .await
+            .unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf)
+                .await
+                .unwrap();
+            assert!(n > 0, "the gateway closed before the response head");
+            head.extend_from_slice(&buf[..n]);
+        }
+        assert!(
+            head.starts_with(b"HTTP/1.1 201"),
+            "{:?}",
+            String::from_utf8_lossy(&head)
+        );
+        // The client goes away with most of the body unsent.
+    }
+    // The rest of the body is still read from the upstream and the record completed as run
+    // but not replayable: the retry is told so, and the upstream is never called again.
+    let retry = eventually(200, || async {
+        let r = send(
+            "POST",
+            &s.gw.url("/big-hangup"),
+            &[key("k-big"), ("x-size", "33554432")],
+            "{}",
+        )
+        .await;
+        (r.status != 409 || r.problem_type() != "urn:idemgate:problem:request-in-flight")
+            .then_some(r)
+    })
+    .await
+    .expect("the relayed request finishes");
+    assert_eq!(retry.status, 409);
+    assert_eq!(
+        retry.problem_type(),
+        "urn:idemgate:problem:response-not-replayable"
+    );
+    assert_eq!(s.upstream.hits("/big-hangup"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn idle_upstream_connections_are_closed_within_seconds() {
     let s = setup().await;
     assert_eq!(send("POST", &s.gw.url("/idle"), &[], "x").await.status, 201);

@@ -1203,6 +1203,21 @@ async fn requests_over_the_header_limits_get_a_431_problem() {
     assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
     assert!(!answer.contains("problem+json"), "{answer}");
     assert_eq!(s.upstream.hits("/flood"), 0);
+    // So does a request it cannot parse. Neither reaches a route, so neither is in
+    // requests_total; both are counted apart.
+    let answer = raw(s.gw.addr, b"POST /bad\x01 HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let counted = eventually(100, || async {
+        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
+        text.contains("\nidemgate_unparsable_requests_total 2\n")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        counted.is_some(),
+        "{}",
+        admin_get(&s.gw, "/metrics", &[]).await.text()
+    );
 }
 
 // ---- operating it -------------------------------------------------------------------------
@@ -1223,6 +1238,7 @@ async fn admin_health_readiness_metrics_and_token() {
         "idemgate_upstream_duration_seconds_count 1\n",
         "idemgate_store_duration_seconds_count{backend=\"memory\",op=\"claim\"} 2\n",
         "idemgate_store_errors_total 0\n",
+        "idemgate_unparsable_requests_total 0\n",
         "idemgate_fenced_completions_total 0\n",
         "idemgate_records_in_flight 0\n",
     ] {

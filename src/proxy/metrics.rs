@@ -214,6 +214,7 @@ pub struct Metrics {
     store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
     abandoned_requests: AtomicU64,
+    unparsable_requests: AtomicU64,
     /// Set when shutdown gave up on open requests: those are cut by the gateway, not
     /// abandoned by their clients.
     cut_off: AtomicBool,
@@ -263,6 +264,12 @@ impl Metrics {
     /// Counts a request whose client went away before its response was ready.
     pub fn count_abandoned_request(&self) {
         self.abandoned_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request the HTTP layer answered by itself (`400`, `414` or `431`) because it
+    /// could not parse it or it was past the layer's own limits.
+    pub fn count_unparsable_request(&self) {
+        self.unparsable_requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Marks the requests still open as cut off by shutdown (its grace passed).
@@ -369,6 +376,12 @@ impl Metrics {
                 "counter",
                 "Requests whose client went away before their response was ready (a keyed one already sent upstream still finishes and keeps its response).",
                 self.abandoned_requests.load(Ordering::Relaxed),
+            ),
+            (
+                "idemgate_unparsable_requests_total",
+                "counter",
+                "Requests the HTTP layer answered by itself (400, 414 or 431) because it could not parse them or they were past its own limits; no route saw them.",
+                self.unparsable_requests.load(Ordering::Relaxed),
             ),
             (
                 "idemgate_fenced_completions_total",

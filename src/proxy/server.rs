@@ -399,6 +399,7 @@ async fn serve_connection<S, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::clone(&front.activity);
+    let metrics = Arc::clone(&front.metrics);
     let io = TokioIo::new(ActivityIo::new(stream, Arc::clone(&activity)));
     let conn = builder.serve_connection(io, front);
     tokio::pin!(conn);
@@ -477,6 +478,14 @@ async fn serve_connection<S, B>(
     })
     .await;
     if let Err(error) = result {
+        // hyper has answered a request it could not parse, or one past its own limits, by
+        // itself: no route saw it, so it is counted here.
+        if error
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_parse)
+        {
+            metrics.count_unparsable_request();
+        }
         tracing::debug!(error = %error, "client connection ended with an error");
     }
 }

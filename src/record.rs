@@ -280,7 +280,10 @@ impl Completion {
                     need(&bytes, n)?;
                     let value = HeaderValue::from_maybe_shared(bytes.split_to(n))
                         .map_err(|_| DecodeError("bad header value"))?;
-                    headers.append(name, value);
+                    // A map holds at most 32 768 fields; a damaged record may claim more.
+                    headers
+                        .try_append(name, value)
+                        .map_err(|_| DecodeError("too many header fields"))?;
                 }
                 need(&bytes, 8)?;
                 let n = bytes.get_u64() as usize;
@@ -342,6 +345,24 @@ mod tests {
             body_len: 12_345_678,
         };
         assert_eq!(Completion::decode(original.encode()).unwrap(), original);
+    }
+
+    #[test]
+    fn a_record_with_more_fields_than_a_header_map_holds_is_an_error_not_a_panic() {
+        // 40 000 fields with distinct names (a header map holds 32 768), then an empty body.
+        let mut b = BytesMut::new();
+        b.put_u8(FORMAT_VERSION);
+        b.put_u8(TAG_RESPONSE);
+        b.put_u16(200);
+        b.put_u32(40_000);
+        for i in 0..40_000 {
+            let name = format!("x{i}");
+            b.put_u32(name.len() as u32);
+            b.put_slice(name.as_bytes());
+            b.put_u32(0);
+        }
+        b.put_u64(0);
+        assert!(Completion::decode(b.freeze()).is_err());
     }
 
     #[test]

@@ -11,6 +11,8 @@ pub use crate::store::UnknownOutcome;
 
 /// Default lease on an in-flight record; renewed while the upstream call runs.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The shortest lease a route takes (see [`RoutePolicy::lease`]).
+pub const MIN_LEASE: Duration = Duration::from_millis(300);
 /// Default cap on a buffered idempotent request body (10 MiB).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 10 * 1024 * 1024;
 /// Default cap on a stored response body (10 MiB); larger responses are delivered, not kept.
@@ -374,10 +376,14 @@ impl RoutePolicy {
         self
     }
 
-    /// The lease on an in-flight record (default 30 s), renewed at a third of it.
+    /// The lease on an in-flight record (default 30 s), renewed at a third of it. At least
+    /// [`MIN_LEASE`]: a shorter one is raised to it, so renewals never run in a tight loop.
+    /// Keep it above 1.5 times the layer's store timeout, so that a renewal that takes the
+    /// whole timeout still lands before the lease ends (the proxy refuses a configuration
+    /// that does not).
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = lease.max(MIN_LEASE);
         self
     }
 

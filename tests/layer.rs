@@ -778,7 +778,7 @@ async fn lapsed_lease_under_api_becomes_ambiguous() {
 
 #[tokio::test]
 async fn lease_is_renewed_while_a_slow_request_runs() {
-    let layer = memory_layer().default_route(RoutePolicy::api().lease(Duration::from_millis(90)));
+    let layer = memory_layer().default_route(RoutePolicy::api().lease(Duration::from_millis(300)));
     let gate = Arc::new(Notify::new());
     let up = Arc::new(Upstream {
         gate: Some(gate.clone()),
@@ -786,7 +786,7 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
     });
     let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
-    tokio::time::sleep(Duration::from_millis(400)).await; // several leases long
+    tokio::time::sleep(Duration::from_millis(1200)).await; // several leases long
     let during = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(
         during.decision,

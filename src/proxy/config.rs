@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use crate::policy::{
     Concurrent, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_WAIT_TIMEOUT, KeySource, Preset, RoutePolicy, StatusSet, UnknownOutcome,
+    DEFAULT_WAIT_TIMEOUT, KeySource, MIN_LEASE, Preset, RoutePolicy, StatusSet, UnknownOutcome,
 };
 
 /// Default address of the proxy listener.
@@ -650,8 +650,15 @@ impl FileConfig {
         if let Some(ttl) = ttl {
             default_route = default_route.ttl(ttl);
         }
+        if let Err(why) = lease_outlasts_a_renewal(DEFAULT_LEASE, store_timeout) {
+            return Err(ConfigError::invalid(
+                "store_timeout",
+                format!("{why} (routes without a lease of their own)"),
+            ));
+        }
         let defaults = RouteDefaults {
             ttl,
+            store_timeout,
             max_request_bytes,
             max_response_bytes,
         };
@@ -783,8 +790,24 @@ impl LimitsFile {
     }
 }
 
+/// A lease is renewed a third of the way through, and the renewal may take up to
+/// `store_timeout`: unless that fits in the remaining two thirds, one slow renewal lets a
+/// live owner's lease lapse, and a retry takes over a request that is still running.
+fn lease_outlasts_a_renewal(lease: Duration, store_timeout: Duration) -> Result<(), String> {
+    if store_timeout.saturating_mul(3) < lease.saturating_mul(2) {
+        Ok(())
+    } else {
+        Err(format!(
+            "a lease of {lease:?} is too short for store_timeout {store_timeout:?}: it is renewed \
+             at a third of its length and a renewal may take all of store_timeout, so the lease \
+             must be more than 1.5 times store_timeout"
+        ))
+    }
+}
+
 struct RouteDefaults {
     ttl: Option<Duration>,
+    store_timeout: Duration,
     max_request_bytes: usize,
     max_response_bytes: usize,
 }
@@ -954,12 +977,14 @@ impl RouteFile {
             Some(l) => parse_positive(&f("lease"), l)?,
             None => DEFAULT_LEASE,
         };
-        if lease < Duration::from_millis(300) {
+        if lease < MIN_LEASE {
             return Err(ConfigError::invalid(
                 f("lease"),
                 "must be at least 300ms (it is renewed at a third of it)",
             ));
         }
+        lease_outlasts_a_renewal(lease, defaults.store_timeout)
+            .map_err(|why| ConfigError::invalid(f("lease"), why))?;
         policy = policy.lease(lease);
         if let Some(b) = &self.max_request_bytes {
             policy = policy.max_request_bytes(b.resolve(&f("max_request_bytes"))?);
@@ -1352,6 +1377,17 @@ mod tests {
                 "{up}[[routes]]\nprefix = \"/a\"\nlease = \"10ms\""
             )),
             "routes[0].lease"
+        );
+        // A renewal sent at a third of the lease must land before its end.
+        assert_eq!(
+            field_of(&format!(
+                "{up}store_timeout = \"2s\"\n[[routes]]\nprefix = \"/a\"\nlease = \"3s\""
+            )),
+            "routes[0].lease"
+        );
+        assert_eq!(
+            field_of(&format!("{up}store_timeout = \"20s\"")),
+            "store_timeout"
         );
         assert_eq!(
             field_of(&format!(

@@ -981,6 +981,45 @@ async fn slow_or_silent_clients_are_cut_off_and_connections_are_limited() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_client_stuck_mid_body_or_not_reading_loses_its_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = setup_with("[limits]\nidle_timeout = \"1s\"\nmax_connections = 2").await;
+    // A keyed request that promises 1 000 bytes of body, sends 10 and goes silent.
+    let mut half = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    half.write_all(
+        b"POST /half HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-half\r\nContent-Length: 1000\r\n\r\n0123456789",
+    )
+    .await
+    .unwrap();
+    // A request for 32 MiB from a client that never reads it: the socket buffers fill and
+    // the response stops moving.
+    let mut deaf = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    deaf.write_all(b"GET /deaf HTTP/1.1\r\nHost: x\r\nX-Size: 33554432\r\n\r\n")
+        .await
+        .unwrap();
+    // Each is closed within twice the idle timeout (and a quarter more, twice): the
+    // graceful close it gets after a quiet second would otherwise wait for ever.
+    let ended = tokio::time::timeout(Duration::from_secs(15), async {
+        let mut buf = vec![0u8; 64 * 1024];
+        while !matches!(half.read(&mut buf).await, Ok(0) | Err(_)) {}
+        // Read nothing until the cut, then drain what the buffers held.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        while !matches!(deaf.read(&mut buf).await, Ok(0) | Err(_)) {}
+    })
+    .await;
+    assert!(ended.is_ok(), "a stuck connection was kept open");
+    assert_eq!(s.upstream.hits("/half"), 0);
+    // Both slots are free again: a new connection is served.
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        send("POST", &s.gw.url("/after"), &[], "x"),
+    )
+    .await
+    .expect("served once the stuck connections are gone");
+    assert_eq!(r.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_trickled_head_is_cut_off_but_a_slow_response_keeps_its_connection() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let s = setup_with("[limits]\nheader_read_timeout = \"300ms\"").await;
@@ -1203,14 +1242,15 @@ async fn requests_over_the_header_limits_get_a_431_problem() {
     assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
     assert!(!answer.contains("problem+json"), "{answer}");
     assert_eq!(s.upstream.hits("/flood"), 0);
-    // So does a request it cannot parse. Neither reaches a route, so neither is in
-    // requests_total; both are counted apart.
+    // So does a request it cannot parse. None of these reaches a route, so none is in
+    // requests_total; they are counted apart, by reason.
     let answer = raw(s.gw.addr, b"POST /bad\x01 HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     let counted = eventually(100, || async {
         let text = admin_get(&s.gw, "/metrics", &[]).await.text();
-        text.contains("\nidemgate_unparsable_requests_total 2\n")
-            .then_some(())
+        let malformed = "\nidemgate_unrouted_requests_total{reason=\"malformed\"} 1\n";
+        let too_large = "\nidemgate_unrouted_requests_total{reason=\"too_large\"} 3\n";
+        (text.contains(malformed) && text.contains(too_large)).then_some(())
     })
     .await;
     assert!(
@@ -1238,7 +1278,8 @@ async fn admin_health_readiness_metrics_and_token() {
         "idemgate_upstream_duration_seconds_count 1\n",
         "idemgate_store_duration_seconds_count{backend=\"memory\",op=\"claim\"} 2\n",
         "idemgate_store_errors_total 0\n",
-        "idemgate_unparsable_requests_total 0\n",
+        "idemgate_unrouted_requests_total{reason=\"malformed\"} 0\n",
+        "idemgate_unrouted_requests_total{reason=\"too_large\"} 0\n",
         "idemgate_fenced_completions_total 0\n",
         "idemgate_records_in_flight 0\n",
     ] {

@@ -95,6 +95,28 @@ impl UpstreamErrorKind {
     }
 }
 
+/// Why a request was answered before any route saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnroutedReason {
+    /// Not well-formed HTTP: the HTTP layer answered `400`.
+    Malformed,
+    /// Header fields past the limits (`431`), or a request target too long for the HTTP
+    /// layer (`414`).
+    TooLarge,
+}
+
+impl UnroutedReason {
+    const ALL: [Self; 2] = [Self::Malformed, Self::TooLarge];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::TooLarge => "too_large",
+        }
+    }
+}
+
 /// The store operations that are timed.
 #[derive(Clone, Copy, Debug)]
 enum StoreOp {
@@ -214,7 +236,7 @@ pub struct Metrics {
     store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
     open_connections: AtomicU64,
     abandoned_requests: AtomicU64,
-    unparsable_requests: AtomicU64,
+    unrouted_requests: [AtomicU64; UnroutedReason::ALL.len()],
     /// Set when shutdown gave up on open requests: those are cut by the gateway, not
     /// abandoned by their clients.
     cut_off: AtomicBool,
@@ -266,10 +288,9 @@ impl Metrics {
         self.abandoned_requests.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a request the HTTP layer answered by itself (`400`, `414` or `431`) because it
-    /// could not parse it or it was past the layer's own limits.
-    pub fn count_unparsable_request(&self) {
-        self.unparsable_requests.fetch_add(1, Ordering::Relaxed);
+    /// Counts a request answered before any route saw it.
+    pub fn count_unrouted_request(&self, reason: UnroutedReason) {
+        self.unrouted_requests[reason as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Marks the requests still open as cut off by shutdown (its grace passed).
@@ -327,6 +348,18 @@ impl Metrics {
             );
         }
         out.push_str(
+            "# HELP idemgate_unrouted_requests_total Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP) or too_large (431, header fields past the limits; 414, a target too long).\n\
+             # TYPE idemgate_unrouted_requests_total counter\n",
+        );
+        for reason in UnroutedReason::ALL {
+            let n = self.unrouted_requests[reason as usize].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "idemgate_unrouted_requests_total{{reason=\"{}\"}} {n}",
+                reason.as_str()
+            );
+        }
+        out.push_str(
             "# HELP idemgate_store_duration_seconds Time one store call waited, by operation (0 if answered at once).\n\
              # TYPE idemgate_store_duration_seconds histogram\n",
         );
@@ -376,12 +409,6 @@ impl Metrics {
                 "counter",
                 "Requests whose client went away before their response was ready (a keyed one already sent upstream still finishes and keeps its response).",
                 self.abandoned_requests.load(Ordering::Relaxed),
-            ),
-            (
-                "idemgate_unparsable_requests_total",
-                "counter",
-                "Requests the HTTP layer answered by itself (400, 414 or 431) because it could not parse them or they were past its own limits; no route saw them.",
-                self.unparsable_requests.load(Ordering::Relaxed),
             ),
             (
                 "idemgate_fenced_completions_total",

@@ -24,7 +24,7 @@ use tower_service::Service;
 use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::Forwarder;
-use super::metrics::{InstrumentedStore, Metrics};
+use super::metrics::{InstrumentedStore, Metrics, UnroutedReason};
 use super::watchdog::{Activity, ActivityIo, InFlight, Verdict, Watchdog};
 use crate::IdempotencyLayer;
 use crate::body::ResponseBody;
@@ -426,20 +426,18 @@ async fn serve_connection<S, B>(
             if let Poll::Ready(result) = conn.as_mut().poll(cx) {
                 return Poll::Ready(result);
             }
-            if closing {
-                return Poll::Pending;
-            }
             // Polled once, the signal wakes this task when it changes.
-            let stop_now = if stop_registered {
-                probe.has_changed().unwrap_or(true)
-            } else {
-                stop_registered = true;
-                // Outside the task's cooperative budget: a poll refused for want of budget
-                // would register nothing, and this loop does not poll it again.
-                Pin::new(&mut tokio::task::unconstrained(stopped.as_mut()))
-                    .poll(cx)
-                    .is_ready()
-            };
+            let stop_now = !closing
+                && if stop_registered {
+                    probe.has_changed().unwrap_or(true)
+                } else {
+                    stop_registered = true;
+                    // Outside the task's cooperative budget: a poll refused for want of budget
+                    // would register nothing, and this loop does not poll it again.
+                    Pin::new(&mut tokio::task::unconstrained(stopped.as_mut()))
+                        .poll(cx)
+                        .is_ready()
+                };
             if stop_now {
                 conn.as_mut().graceful_shutdown();
                 closing = true;
@@ -464,13 +462,22 @@ async fn serve_connection<S, B>(
                         .reset(tokio::time::Instant::from_std(now) + wait);
                     check_registered = false;
                 }
-                Verdict::Close => {
-                    // An HTTP/1.1 request in progress still gets its response first.
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
+                Verdict::Close(wait) => {
+                    // An HTTP/1.1 request in progress still gets its response first, as
+                    // long as it keeps moving: the watchdog goes on looking.
+                    if !closing {
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                    check
+                        .as_mut()
+                        .reset(tokio::time::Instant::from_std(now) + wait);
+                    check_registered = false;
                 }
                 Verdict::Cut => {
-                    tracing::debug!("no request head in time; connection closed");
+                    tracing::debug!(
+                        "connection cut: no request head in time, or no bytes moving after a close"
+                    );
                     return Poll::Ready(Ok(()));
                 }
             }
@@ -480,11 +487,14 @@ async fn serve_connection<S, B>(
     if let Err(error) = result {
         // hyper has answered a request it could not parse, or one past its own limits, by
         // itself: no route saw it, so it is counted here.
-        if error
-            .downcast_ref::<hyper::Error>()
-            .is_some_and(hyper::Error::is_parse)
+        if let Some(error) = error.downcast_ref::<hyper::Error>()
+            && error.is_parse()
         {
-            metrics.count_unparsable_request();
+            metrics.count_unrouted_request(if error.is_parse_too_large() {
+                UnroutedReason::TooLarge
+            } else {
+                UnroutedReason::Malformed
+            });
         }
         tracing::debug!(error = %error, "client connection ended with an error");
     }
@@ -563,6 +573,8 @@ where
             _in_flight: self.activity.request_started(req.version()),
         };
         if let Some(problem) = refused {
+            self.metrics
+                .count_unrouted_request(UnroutedReason::TooLarge);
             let response = problem.into_response().map(B::problem);
             return FrontFuture {
                 call: Call::Refused {

@@ -99,9 +99,12 @@ pub(super) enum Verdict {
     /// Look again after this long.
     LookIn(Duration),
     /// Close the connection gracefully: an HTTP/1.1 response in progress is finished first.
-    Close,
-    /// No first request head in time: drop the connection at once. (A graceful close would
-    /// wait for that head to complete.)
+    /// Look again after the given time: a closing connection that stays quiet is cut.
+    Close(Duration),
+    /// Drop the connection at once: no first request head in time (a graceful close would
+    /// wait for that head to complete), or no bytes moving for `idle_timeout` after a
+    /// graceful close (a client that stopped reading its response or sending its request
+    /// body would hold the connection for ever).
     Cut,
 }
 
@@ -123,6 +126,9 @@ pub(super) enum Verdict {
 /// A response body that stalls (no bytes out) for `header_read_timeout` counts as waiting
 /// too: the graceful close then lets that response finish and closes the connection after
 /// it.
+///
+/// - After a graceful close, a connection that moves no bytes either way for `idle_timeout`
+///   is cut.
 #[derive(Debug)]
 pub(super) struct Watchdog {
     header_read_timeout: Duration,
@@ -134,6 +140,8 @@ pub(super) struct Watchdog {
     waiting_since: Instant,
     /// When a request was last seen begun or open.
     last_request: Instant,
+    /// When the watchdog closed the connection gracefully.
+    closed_at: Option<Instant>,
 }
 
 impl Watchdog {
@@ -145,6 +153,7 @@ impl Watchdog {
             last_moved: now,
             waiting_since: now,
             last_request: now,
+            closed_at: None,
         };
         let first = watchdog.look_in(false);
         (watchdog, first)
@@ -165,6 +174,15 @@ impl Watchdog {
         if seen.requested {
             self.last_request = now;
         }
+        if let Some(closed_at) = self.closed_at {
+            // Closing: only what is in progress may finish, and it must keep moving.
+            let quiet_since = self.last_moved.max(closed_at);
+            return if now.saturating_duration_since(quiet_since) >= self.idle_timeout {
+                Verdict::Cut
+            } else {
+                Verdict::LookIn(self.idle_timeout / CHECKS_PER_PERIOD)
+            };
+        }
         let quiet = now.saturating_duration_since(self.last_moved) >= self.idle_timeout;
         let unused =
             seen.http2 && now.saturating_duration_since(self.last_request) >= self.idle_timeout;
@@ -174,7 +192,8 @@ impl Watchdog {
         if head_late && !seen.served {
             Verdict::Cut
         } else if idle || head_late {
-            Verdict::Close
+            self.closed_at = Some(now);
+            Verdict::Close(self.idle_timeout / CHECKS_PER_PERIOD)
         } else {
             Verdict::LookIn(self.look_in(seen.http2))
         }
@@ -344,7 +363,7 @@ mod tests {
         // may still be going out (a body that paused), and hyper finishes it first.
         assert_eq!(
             first_verdict(limits(1000, 60_000), 250, 10_000, seen),
-            Some((4250, Verdict::Close))
+            Some((4250, Verdict::Close(15_000 * MS)))
         );
     }
 
@@ -360,7 +379,7 @@ mod tests {
         };
         assert_eq!(
             first_verdict(limits(1000, 5000), 250, 20_000, seen),
-            Some((7000, Verdict::Close))
+            Some((7000, Verdict::Close(1250 * MS)))
         );
     }
 
@@ -376,7 +395,7 @@ mod tests {
         };
         assert_eq!(
             first_verdict(limits(1000, 5000), 250, 20_000, seen),
-            Some((7000, Verdict::Close))
+            Some((7000, Verdict::Close(1250 * MS)))
         );
         // The same bytes with a request open throughout: never closed.
         let busy = |_| Seen {
@@ -398,7 +417,58 @@ mod tests {
         };
         assert_eq!(
             first_verdict(limits(10_000, 3000), 250, 20_000, seen),
-            Some((3000, Verdict::Close))
+            Some((3000, Verdict::Close(750 * MS)))
+        );
+    }
+
+    /// Every verdict but `LookIn` from looks every `step` ms up to `until`, stopping at a cut.
+    fn verdicts(
+        limits: Limits,
+        step: u64,
+        until: u64,
+        seen: impl Fn(u64) -> Seen,
+    ) -> Vec<(u64, Verdict)> {
+        let start = Instant::now();
+        let (mut watchdog, _) = Watchdog::new(limits, start);
+        let mut out = Vec::new();
+        for ms in (1..=until / step).map(|k| k * step) {
+            match watchdog.judge(seen(ms), start + MS * ms as u32) {
+                Verdict::LookIn(_) => {}
+                verdict => {
+                    out.push((ms, verdict));
+                    if verdict == Verdict::Cut {
+                        break;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_closed_connection_that_stays_quiet_is_cut() {
+        // A request open throughout with nothing moving: a client that sent part of a body
+        // and went silent, or one that stopped reading its response. Closed gracefully after
+        // the idle timeout, and cut after as long again.
+        let stuck = |_| Seen {
+            busy: true,
+            requested: true,
+            served: true,
+            ..Seen::default()
+        };
+        assert_eq!(
+            verdicts(limits(10_000, 3000), 250, 20_000, stuck),
+            [(3000, Verdict::Close(750 * MS)), (6000, Verdict::Cut)]
+        );
+        // A response still moving after the close is left to finish: bytes every look until
+        // 9 000 ms, then nothing. The cut comes an idle timeout after the last bytes.
+        let finishing = |ms| Seen {
+            moved: ms > 3000 && ms <= 9000,
+            ..stuck(ms)
+        };
+        assert_eq!(
+            verdicts(limits(10_000, 3000), 250, 20_000, finishing),
+            [(3000, Verdict::Close(750 * MS)), (12_000, Verdict::Cut)]
         );
     }
 

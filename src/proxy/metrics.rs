@@ -335,30 +335,24 @@ impl Metrics {
         );
         self.upstream
             .write(&mut out, "idemgate_upstream_duration_seconds", "");
-        out.push_str(
-            "# HELP idemgate_upstream_errors_total Upstream calls that produced no response, by kind.\n\
-             # TYPE idemgate_upstream_errors_total counter\n",
+        write_counters(
+            &mut out,
+            "idemgate_upstream_errors_total",
+            "Upstream calls that produced no response, by kind.",
+            UpstreamErrorKind::ALL.map(|kind| {
+                let n = self.upstream_errors[kind as usize].load(Ordering::Relaxed);
+                (("kind", kind.as_str()), n)
+            }),
         );
-        for kind in UpstreamErrorKind::ALL {
-            let n = self.upstream_errors[kind as usize].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idemgate_upstream_errors_total{{kind=\"{}\"}} {n}",
-                kind.as_str()
-            );
-        }
-        out.push_str(
-            "# HELP idemgate_unrouted_requests_total Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP) or too_large (431, header fields past the limits; 414, a target too long).\n\
-             # TYPE idemgate_unrouted_requests_total counter\n",
+        write_counters(
+            &mut out,
+            "idemgate_unrouted_requests_total",
+            "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP) or too_large (431, header fields past the limits; 414, a target too long).",
+            UnroutedReason::ALL.map(|reason| {
+                let n = self.unrouted_requests[reason as usize].load(Ordering::Relaxed);
+                (("reason", reason.as_str()), n)
+            }),
         );
-        for reason in UnroutedReason::ALL {
-            let n = self.unrouted_requests[reason as usize].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idemgate_unrouted_requests_total{{reason=\"{}\"}} {n}",
-                reason.as_str()
-            );
-        }
         out.push_str(
             "# HELP idemgate_store_duration_seconds Time one store call waited, by operation (0 if answered at once).\n\
              # TYPE idemgate_store_duration_seconds histogram\n",
@@ -442,6 +436,19 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+/// A counter with one label: its help and type lines, then one line per label value.
+fn write_counters<const N: usize>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    counts: [((&str, &str), u64); N],
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for ((label, value), n) in counts {
+        let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {n}");
     }
 }
 

@@ -455,17 +455,12 @@ async fn serve_connection<S, B>(
                 return Poll::Pending;
             }
             let now = Instant::now();
-            match watchdog.look(&activity, now) {
-                Verdict::LookIn(wait) => {
-                    check
-                        .as_mut()
-                        .reset(tokio::time::Instant::from_std(now) + wait);
-                    check_registered = false;
-                }
-                Verdict::Close(wait) => {
+            let verdict = watchdog.look(&activity, now);
+            match verdict {
+                Verdict::LookIn(wait) | Verdict::Close(wait) => {
                     // An HTTP/1.1 request in progress still gets its response first, as
                     // long as it keeps moving: the watchdog goes on looking.
-                    if !closing {
+                    if matches!(verdict, Verdict::Close(_)) && !closing {
                         conn.as_mut().graceful_shutdown();
                         closing = true;
                     }

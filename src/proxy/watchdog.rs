@@ -305,14 +305,7 @@ mod tests {
         until: u64,
         seen: impl Fn(u64) -> Seen,
     ) -> Option<(u64, Verdict)> {
-        let start = Instant::now();
-        let (mut watchdog, _) = Watchdog::new(limits, start);
-        (1..=until / step).map(|k| k * step).find_map(|ms| {
-            match watchdog.judge(seen(ms), start + MS * ms as u32) {
-                Verdict::LookIn(_) => None,
-                verdict => Some((ms, verdict)),
-            }
-        })
+        verdicts(limits, step, until, seen).into_iter().next()
     }
 
     #[test]

@@ -1417,3 +1417,79 @@ async fn json_logs_are_one_object_per_line() {
             .is_some_and(|r| r.len() == 16)
     );
 }
+
+/// An upstream on 127.0.0.1 that answers each request's head at once (`200`, chunked) and
+/// then sends back every body byte as it reads it, ending the response when it has read
+/// `Content-Length` bytes: one that answers while it reads. Returns its address.
+async fn answering_while_reading() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut piece = vec![0u8; 64 * 1024];
+                let end = loop {
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break end + 4;
+                    }
+                    match stream.read(&mut piece).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&piece[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length: "))
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(0);
+                let mut out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+                let mut echo = buf.split_off(end);
+                let mut read = echo.len();
+                loop {
+                    if !echo.is_empty() {
+                        out.extend_from_slice(format!("{:x}\r\n", echo.len()).as_bytes());
+                        out.extend_from_slice(&echo);
+                        out.extend_from_slice(b"\r\n");
+                    }
+                    if read >= length {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                    }
+                    if stream.write_all(&out).await.is_err() || read >= length {
+                        return;
+                    }
+                    out.clear();
+                    let n = match stream.read(&mut piece).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    read += n;
+                    echo = piece[..n].to_vec();
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn an_upstream_that_answers_while_it_reads_gets_the_whole_body() {
+    let upstream = answering_while_reading().await;
+    let url = format!("http://{upstream}");
+    let gw = Gateway::start(&["--upstream", &url, "--store", "memory"]);
+    // 8 MiB: far more than the loopback socket buffers take before the upstream answers.
+    let body: String = (0..8 * 1024 * 1024)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    // Streamed through, with no key; then kept, with one (within the 10 MiB limits).
+    for headers in [vec![], vec![key("k-echo")]] {
+        let r = send("POST", &gw.url("/echo"), &headers, &body).await;
+        assert_eq!(r.status, 200, "{headers:?}");
+        assert!(r.body == body.as_bytes(), "the upstream had the whole body");
+    }
+    let replay = send("POST", &gw.url("/echo"), &[key("k-echo")], &body).await;
+    assert!(replay.replayed());
+    assert!(replay.body == body.as_bytes());
+}

@@ -2,15 +2,17 @@
 //! uses it: no task per connection and no channel between a request and its connection.
 //!
 //! [`Connection::send`] writes a request (head and body) and reads the response head;
-//! [`BodyReader`] then reads the response body from the same connection and, once the body
-//! has been read to its end, hands the connection back for the next request if the response
-//! allows it.
+//! [`BodyReader`] then reads the response body from the same connection (writing the rest
+//! of the request body as it goes, if the upstream answered before it had all of it) and,
+//! once the body has been read to its end, hands the connection back for the next request
+//! if the response allows it.
 //!
 //! Parsing is strict: anything this module does not understand for certain (a malformed head
 //! or chunk, conflicting lengths, more than [`MAX_HEADERS`] fields, a head over
 //! [`MAX_HEAD_BYTES`]) is an error, and the connection is closed rather than reused. Interim
 //! `1xx` responses are skipped. Chunked trailers are read and dropped.
 
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
@@ -21,7 +23,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, HeaderName, HeaderValue, TRANSFER_ENCODING};
 use http::{HeaderMap, Method, StatusCode, Version, request};
 use http_body::Body;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
@@ -85,6 +87,8 @@ pub struct ResponseHead {
     pub headers: HeaderMap,
     framing: Framing,
     keep_alive: bool,
+    /// What the exchange had not written of the request body when this head came.
+    unsent: Option<BodyWriter>,
 }
 
 /// How a response body is delimited.
@@ -149,7 +153,9 @@ impl Connection {
     ///
     /// A body that does not go out with the head is written while the response is awaited:
     /// an upstream may answer before it has read the whole body (a `413`, or a response it
-    /// streams as it reads). Such an early answer stands, on a connection not used again.
+    /// streams as it reads). Such an early answer stands, on a connection not used again,
+    /// and what was not yet written of the body is left in the head for
+    /// [`UnsentBody::take`].
     pub async fn send<B>(
         &mut self,
         head: &request::Parts,
@@ -244,14 +250,19 @@ impl Connection {
                 .await
                 .map_err(SendError::NoResponse);
         }
-        let (mut reader, mut writer) = self.io.split();
-        let write = write_body(&mut writer, body, pending, ended, length, written);
+        let mut writer = BodyWriter::new(length, written);
+        if let Some(data) = pending {
+            writer.push(data).map_err(SendError::NoResponse)?;
+        }
+        writer.ended = ended;
+        let (mut reader, mut write_half) = self.io.split();
         let read = read_head(&mut reader, &mut self.read, &mut self.spans, &head.method);
-        let (mut write, mut read) = (std::pin::pin!(write), std::pin::pin!(read));
+        let mut read = std::pin::pin!(read);
+        // `Some(true)`: all written; `Some(false)`: the socket failed, nothing more goes out.
         let mut written_all = None;
         let answer = poll_fn(|cx| {
             if written_all.is_none()
-                && let Poll::Ready(result) = write.as_mut().poll(cx)
+                && let Poll::Ready(result) = writer.poll_write(&mut write_half, body, cx)
             {
                 match result {
                     Ok(()) => written_all = Some(true),
@@ -268,7 +279,12 @@ impl Connection {
         match answer {
             Ok(mut answer) => {
                 if written_all != Some(true) {
+                    // Even once the rest is written, the upstream may not read it: the
+                    // connection is not used again.
                     answer.keep_alive = false;
+                }
+                if written_all.is_none() {
+                    answer.unsent = Some(writer);
                 }
                 Ok(answer)
             }
@@ -358,55 +374,138 @@ fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes
     }
 }
 
-/// Writes the body after the head: `pending` first, then every frame `body` has left, each
-/// checked against the declared length.
-async fn write_body<W, B>(
-    io: &mut W,
-    body: &mut B,
-    mut pending: Option<Bytes>,
-    mut ended: bool,
+/// Writes a request body after its head, as the socket takes it: each frame checked against
+/// the declared length and framed for it. Polled by the exchange until the response head
+/// comes and, if the upstream answered before it had the whole body, by the response's
+/// [`BodyReader`] after that (see [`UnsentBody`]).
+#[derive(Debug)]
+pub struct BodyWriter {
+    /// Bytes framed and not yet written, front first: a chunk's size line, its data, its CRLF.
+    queue: VecDeque<Bytes>,
     length: BodyLength,
-    mut written: u64,
-) -> Result<(), ClientError>
-where
-    W: tokio::io::AsyncWrite + Unpin,
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    let mut chunk = Vec::new();
-    loop {
-        let data = match pending.take() {
-            Some(data) => data,
-            None if ended => break,
-            None => match next_data(body).await {
-                Ok(Some(data)) => data,
-                Ok(None) => {
-                    ended = true;
-                    continue;
-                }
-                Err(error) => return Err(ClientError::RequestBody(error)),
-            },
-        };
-        written = written.saturating_add(data.len() as u64);
-        if written > length.most() {
+    /// Body bytes taken so far (framing not counted).
+    taken: u64,
+    /// The body has no more frames.
+    ended: bool,
+    /// The end of the framing is queued: once the queue is out, the request is complete.
+    closed: bool,
+    /// Bytes went out since the last look.
+    progressed: bool,
+}
+
+impl BodyWriter {
+    /// A writer for a body framed as `length`, of which `taken` bytes went out with the head.
+    fn new(length: BodyLength, taken: u64) -> Self {
+        Self {
+            queue: VecDeque::new(),
+            length,
+            taken,
+            ended: false,
+            closed: false,
+            progressed: false,
+        }
+    }
+
+    /// Queues one frame's data, framed; more than the declared length is an error.
+    fn push(&mut self, data: Bytes) -> Result<(), ClientError> {
+        self.taken = self.taken.saturating_add(data.len() as u64);
+        if self.taken > self.length.most() {
             return Err(ClientError::RequestBody(LONGER_THAN_DECLARED.into()));
         }
-        if length == BodyLength::Chunked {
-            chunk.clear();
-            encode_data(&data, length, &mut chunk);
-            io.write_all(&chunk).await?;
+        if self.length == BodyLength::Chunked {
+            let mut size = Vec::with_capacity(18);
+            push_number(data.len() as u64, 16, &mut size);
+            size.extend_from_slice(b"\r\n");
+            self.queue.push_back(Bytes::from(size));
+            self.queue.push_back(data);
+            self.queue.push_back(Bytes::from_static(b"\r\n"));
         } else {
-            io.write_all(&data).await?;
+            self.queue.push_back(data);
+        }
+        Ok(())
+    }
+
+    /// Writes what is queued, then takes the body's next frame, until the body and its
+    /// framing are all written (`Ready(Ok)`), the socket or the body waits, or either fails.
+    fn poll_write<W, B>(
+        &mut self,
+        io: &mut W,
+        body: &mut B,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), ClientError>>
+    where
+        W: AsyncWrite + Unpin,
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        loop {
+            if let Some(front) = self.queue.front_mut() {
+                let n = ready!(Pin::new(&mut *io).poll_write(cx, front))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::Error::from(io::ErrorKind::WriteZero).into()));
+                }
+                self.progressed = true;
+                front.advance(n);
+                if front.is_empty() {
+                    self.queue.pop_front();
+                }
+                continue;
+            }
+            if self.closed {
+                return Poll::Ready(Ok(()));
+            }
+            if self.ended {
+                match self.length {
+                    BodyLength::Chunked => self.queue.push_back(Bytes::from_static(b"0\r\n\r\n")),
+                    BodyLength::Exact(n) if self.taken != n => {
+                        return Poll::Ready(Err(ClientError::RequestBody(
+                            SHORTER_THAN_DECLARED.into(),
+                        )));
+                    }
+                    _ => {}
+                }
+                self.closed = true;
+                continue;
+            }
+            match ready!(poll_next_data(body, cx)) {
+                Ok(Some(data)) => self.push(data)?,
+                Ok(None) => self.ended = true,
+                Err(error) => return Poll::Ready(Err(ClientError::RequestBody(error))),
+            }
         }
     }
-    match length {
-        BodyLength::Chunked => io.write_all(b"0\r\n\r\n").await?,
-        BodyLength::Exact(n) if written != n => {
-            return Err(ClientError::RequestBody(SHORTER_THAN_DECLARED.into()));
-        }
-        _ => {}
+}
+
+/// The rest of a request body the upstream answered before it had: written by the
+/// response's [`BodyReader`] as it reads, for an upstream that answers while it reads (one
+/// that streams back what it is sent, or sends its head first) would otherwise wait for the
+/// rest forever.
+pub struct UnsentBody {
+    writer: BodyWriter,
+    body: Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>,
+}
+
+impl std::fmt::Debug for UnsentBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnsentBody")
+            .field("writer", &self.writer)
+            .finish_non_exhaustive()
     }
-    Ok(())
+}
+
+impl UnsentBody {
+    /// What is left of `body` to write, if the exchange that gave `head` did not write it all.
+    pub fn take<B>(head: &mut ResponseHead, body: B) -> Option<Self>
+    where
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let writer = head.unsent.take()?;
+        Some(Self {
+            writer,
+            body: Box::pin(http_body_util::BodyExt::map_err(body, Into::into)),
+        })
+    }
 }
 
 /// Reads until a final (non-`1xx`) response head is complete, and parses it.
@@ -546,15 +645,6 @@ where
     })
 }
 
-/// The body's next non-empty data frame, or `None` at its end.
-async fn next_data<B>(body: &mut B) -> Result<Option<Bytes>, BoxError>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    poll_fn(|cx| poll_next_data(body, cx)).await
-}
-
 /// Polls for the body's next non-empty data frame. Empty frames and trailers are skipped:
 /// they have nothing to send upstream.
 fn poll_next_data<B>(body: &mut B, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, BoxError>>
@@ -642,6 +732,7 @@ fn parse_head(
         headers,
         framing,
         keep_alive,
+        unsent: None,
     }))
 }
 
@@ -752,6 +843,9 @@ pub struct BodyReader {
     stall: Duration,
     /// The connection's timer is set for the wait in progress.
     waiting: bool,
+    /// The rest of the request body, written as the response is read (boxed: it is rare,
+    /// and the reader moves with every response).
+    unsent: Option<Box<UnsentBody>>,
 }
 
 #[derive(Debug)]
@@ -788,7 +882,14 @@ impl BodyReader {
             keep_alive: head.keep_alive,
             stall,
             waiting: false,
+            unsent: None,
         }
+    }
+
+    /// The same reader, writing `unsent` to the upstream as it reads.
+    pub fn sending(mut self, unsent: Option<UnsentBody>) -> Self {
+        self.unsent = unsent.map(Box::new);
+        self
     }
 
     /// Whether the body has been read to its end.
@@ -819,7 +920,10 @@ impl BodyReader {
 
     /// The next piece of the body, `None` at its end.
     pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
-        let mut result = self.poll_step(cx);
+        let mut result = match self.poll_unsent(cx) {
+            Ok(()) => self.poll_step(cx),
+            Err(error) => Poll::Ready(Some(Err(error))),
+        };
         if result.is_pending() {
             if self.poll_stalled(cx).is_ready() {
                 result = Poll::Ready(Some(Err(ClientError::Stalled(self.stall))));
@@ -834,6 +938,34 @@ impl BodyReader {
             self.keep_alive = false;
         }
         result
+    }
+
+    /// Writes what it can of the rest of the request body. Only the client's body failing
+    /// is an error (the upstream holds a broken request, so its answer is not whole either);
+    /// the socket failing ends the writing, for an upstream may stop reading and still
+    /// answer.
+    fn poll_unsent(&mut self, cx: &mut Context<'_>) -> Result<(), ClientError> {
+        let (Some(unsent), Some(connection)) = (self.unsent.as_mut(), self.connection.as_mut())
+        else {
+            return Ok(());
+        };
+        let result = unsent
+            .writer
+            .poll_write(&mut connection.io, &mut unsent.body, cx);
+        if std::mem::take(&mut unsent.writer.progressed) {
+            // An upstream taking the body is not stalled: the wait starts again.
+            self.waiting = false;
+        }
+        match result {
+            Poll::Pending => Ok(()),
+            Poll::Ready(result) => {
+                self.unsent = None;
+                match result {
+                    Err(error @ ClientError::RequestBody(_)) => Err(error),
+                    _ => Ok(()),
+                }
+            }
+        }
     }
 
     /// Ready once the wait for more of the body has lasted `stall`. The clock is read only
@@ -1578,6 +1710,170 @@ pub(super) mod tests {
             reader.take_reusable().is_none(),
             "the rest of the body was never sent: the connection is not reused"
         );
+    }
+
+    /// An upstream on 127.0.0.1 that, for one request, answers its head as soon as it has
+    /// the request head, then sends back every body byte it reads as a chunk, and ends the
+    /// response once it has read `Content-Length` bytes. Returns how many it read.
+    async fn echoing() -> (SocketAddr, tokio::task::JoinHandle<u64>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let mut piece = vec![0u8; 64 * 1024];
+            let end = loop {
+                if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break end + 4;
+                }
+                let n = stream.read(&mut piece).await.unwrap();
+                assert_ne!(n, 0, "the request head came whole");
+                buf.extend_from_slice(&piece[..n]);
+            };
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let length: u64 = head
+                .lines()
+                .find_map(|line| line.strip_prefix("content-length: "))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .await
+                .unwrap();
+            let echo = |stream_out: &mut Vec<u8>, data: &[u8]| {
+                stream_out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                stream_out.extend_from_slice(data);
+                stream_out.extend_from_slice(b"\r\n");
+            };
+            let mut read = (buf.len() - end) as u64;
+            let mut out = Vec::new();
+            if read > 0 {
+                echo(&mut out, &buf[end..]);
+                stream.write_all(&out).await.unwrap();
+            }
+            while read < length {
+                // A client that breaks off its request ends the exchange.
+                let n = match stream.read(&mut piece).await {
+                    Ok(0) | Err(_) => return read,
+                    Ok(n) => n,
+                };
+                read += n as u64;
+                out.clear();
+                echo(&mut out, &piece[..n]);
+                if stream.write_all(&out).await.is_err() {
+                    return read;
+                }
+            }
+            stream.write_all(b"0\r\n\r\n").await.unwrap();
+            read
+        });
+        (addr, server)
+    }
+
+    /// `frames` frames of 64 KiB, each ready when asked for, then the end, or an error if
+    /// `fail` (the length it declares stays the whole).
+    struct Upload {
+        left: usize,
+        total: usize,
+        fail: bool,
+    }
+
+    const UPLOAD_FRAME: usize = 64 * 1024;
+
+    impl Body for Upload {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            if self.left == 0 {
+                return Poll::Ready(
+                    self.fail
+                        .then(|| Err(std::io::Error::other("the client went away"))),
+                );
+            }
+            self.left -= 1;
+            let byte = b'a' + (self.left % 26) as u8;
+            Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from(
+                vec![byte; UPLOAD_FRAME],
+            )))))
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact((self.total * UPLOAD_FRAME) as u64)
+        }
+    }
+
+    /// Sends a `POST` of `frames` frames (failing after them if `fail`) to an echoing
+    /// upstream; answers the response head's reader, and the upstream's task.
+    async fn post_to_echo(frames: usize, fail: bool) -> (BodyReader, tokio::task::JoinHandle<u64>) {
+        let (addr, server) = echoing().await;
+        let mut connection = connect(addr).await;
+        let mut body = Upload {
+            left: frames,
+            total: frames + usize::from(fail),
+            fail,
+        };
+        let mut response = connection
+            .send(
+                &head(Method::POST, "/echo"),
+                &OwnFields::default(),
+                &mut body,
+                &mut None,
+                soon(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status, StatusCode::OK);
+        let unsent = UnsentBody::take(&mut response, body);
+        assert!(
+            unsent.is_some(),
+            "the head came long before 16 MiB of body could be written"
+        );
+        (
+            BodyReader::new(&response, connection, STALL).sending(unsent),
+            server,
+        )
+    }
+
+    #[tokio::test]
+    async fn the_rest_of_the_body_goes_out_while_an_early_answer_is_read() {
+        let frames = 256;
+        let (mut reader, server) = post_to_echo(frames, false).await;
+        let echoed = tokio::time::timeout(Duration::from_secs(20), read_all(&mut reader))
+            .await
+            .expect("the upstream gets the whole body and ends its answer")
+            .unwrap();
+        assert_eq!(echoed.len(), frames * UPLOAD_FRAME);
+        let mut expected = Vec::with_capacity(frames * UPLOAD_FRAME);
+        for left in (0..frames).rev() {
+            expected.resize(expected.len() + UPLOAD_FRAME, b'a' + (left % 26) as u8);
+        }
+        assert!(echoed == expected, "the body comes back whole and in order");
+        assert_eq!(server.await.unwrap(), (frames * UPLOAD_FRAME) as u64);
+        assert!(
+            reader.take_reusable().is_none(),
+            "an upstream that answered early is not sent another request"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_body_that_fails_after_an_early_answer_breaks_the_response() {
+        let (mut reader, server) = post_to_echo(256, true).await;
+        let result = tokio::time::timeout(Duration::from_secs(20), read_all(&mut reader))
+            .await
+            .expect("the failure ends the response");
+        assert!(
+            matches!(result, Err(ClientError::RequestBody(_))),
+            "{result:?}"
+        );
+        drop(reader);
+        // The connection closed with the request short of its length.
+        assert!(server.await.unwrap() < (257 * UPLOAD_FRAME) as u64);
     }
 
     #[tokio::test]

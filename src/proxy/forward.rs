@@ -24,7 +24,9 @@ use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use tower_service::Service;
 
-use super::client::{self, BodyReader, ClientError, Connection, OwnFields, ResponseHead};
+use super::client::{
+    self, BodyReader, ClientError, Connection, OwnFields, ResponseHead, UnsentBody,
+};
 use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::pool::{ConnectError, Pool};
@@ -140,11 +142,11 @@ where
     let started = Instant::now();
     let deadline = tokio::time::Instant::from_std(started) + shared.timeout;
     match send(&shared.pool, &parts, &own, body, deadline).await {
-        Ok((mut head, connection)) => {
+        Ok((mut head, connection, unsent)) => {
             shared.metrics.observe_upstream(started.elapsed());
             prepare_response_headers(&mut head.headers);
             let body = ProxyBody::upstream(
-                BodyReader::new(&head, connection, shared.timeout),
+                BodyReader::new(&head, connection, shared.timeout).sending(unsent),
                 &shared.pool,
             );
             let mut response = Response::new(body);
@@ -214,14 +216,15 @@ impl SendError {
 
 /// Sends the request on an idle connection, or on a new one; an idle connection that fails
 /// before anything was written to it gets the request sent on a new one. Answers with the
-/// response head and the connection it came on.
+/// response head, the connection it came on, and what is left of the body when the upstream
+/// answered before it had all of it.
 async fn send<B>(
     pool: &Pool,
     head: &http::request::Parts,
     own: &OwnFields<'_>,
     mut body: B,
     deadline: tokio::time::Instant,
-) -> Result<(ResponseHead, Connection), SendError>
+) -> Result<(ResponseHead, Connection, Option<UnsentBody>), SendError>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -233,7 +236,10 @@ where
             .send(head, own, &mut body, &mut first, deadline)
             .await
         {
-            Ok(response) => return Ok((response, connection)),
+            Ok(mut response) => {
+                let unsent = UnsentBody::take(&mut response, body);
+                return Ok((response, connection, unsent));
+            }
             Err(client::SendError::Unused(error)) => {
                 tracing::debug!(error = %ErrorChain(&error), "idle upstream connection failed; trying a new one");
             }
@@ -244,10 +250,11 @@ where
         .await
         .map_err(|_| SendError::ConnectTimedOut)?
         .map_err(SendError::Connect)?;
-    let response = connection
+    let mut response = connection
         .send(head, own, &mut body, &mut first, deadline)
         .await?;
-    Ok((response, connection))
+    let unsent = UnsentBody::take(&mut response, body);
+    Ok((response, connection, unsent))
 }
 
 /// The answer when the upstream gave none: the layer's problem response, marked with what

@@ -33,6 +33,11 @@ pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default bound on opening a connection to the upstream; past it nothing was sent → `502`.
 pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default for `upstream_idle_timeout`: idle upstream connections are closed after 2 to 4 s,
+/// before the 5 s keep-alive timeout of servers such as Node.js, uvicorn and Apache.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+/// Shortest `upstream_idle_timeout`: the pool is checked every half of it.
+pub const MIN_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Default time in-flight requests get to finish after SIGTERM/SIGINT.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// Default cap on open client connections; past it the listener stops accepting until one
@@ -123,6 +128,8 @@ pub struct FileConfig {
     pub upstream_timeout: Option<String>,
     /// Bound on connecting to the upstream.
     pub upstream_connect_timeout: Option<String>,
+    /// How long an upstream connection is kept idle for the next request.
+    pub upstream_idle_timeout: Option<String>,
     /// Time in-flight requests get after SIGTERM.
     pub shutdown_grace: Option<String>,
     /// Cap on a buffered idempotent request body, for routes that do not set their own.
@@ -484,6 +491,8 @@ pub struct Settings {
     pub upstream_timeout: Duration,
     /// Bound on connecting to the upstream.
     pub upstream_connect_timeout: Duration,
+    /// Idle upstream connections are closed after between half of this and all of it.
+    pub upstream_idle_timeout: Duration,
     /// Time in-flight requests get after SIGTERM.
     pub shutdown_grace: Duration,
     /// Bearer token for the admin record endpoints; none disables them.
@@ -618,6 +627,19 @@ impl FileConfig {
                 ),
             ));
         }
+        let upstream_idle_timeout = positive_duration(
+            "upstream_idle_timeout",
+            &self.upstream_idle_timeout,
+            DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+        )?;
+        if upstream_idle_timeout < MIN_UPSTREAM_IDLE_TIMEOUT {
+            return Err(ConfigError::invalid(
+                "upstream_idle_timeout",
+                format!(
+                    "{upstream_idle_timeout:?} is shorter than the least, {MIN_UPSTREAM_IDLE_TIMEOUT:?}"
+                ),
+            ));
+        }
         let shutdown_grace = duration(
             "shutdown_grace",
             &self.shutdown_grace,
@@ -698,6 +720,7 @@ impl FileConfig {
             on_store_error,
             upstream_timeout,
             upstream_connect_timeout,
+            upstream_idle_timeout,
             shutdown_grace,
             admin_token,
             limits,
@@ -1290,6 +1313,12 @@ mod tests {
             )),
             "upstream_connect_timeout"
         );
+        for short in ["0s", "99ms"] {
+            assert_eq!(
+                field_of(&format!("{up}upstream_idle_timeout = \"{short}\"")),
+                "upstream_idle_timeout"
+            );
+        }
         assert_eq!(
             field_of(&format!("{up}[limits]\nmax_connections = 0")),
             "limits.max_connections"

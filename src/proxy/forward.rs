@@ -62,14 +62,16 @@ struct ForwarderShared {
 
 impl Forwarder {
     /// A forwarder to `upstream` that waits at most `timeout` for a response head and at most
-    /// `connect_timeout` for a new connection.
+    /// `connect_timeout` for a new connection, and keeps a connection idle for at most
+    /// `idle_timeout`.
     pub fn new(
         upstream: Upstream,
         timeout: Duration,
         connect_timeout: Duration,
+        idle_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let pool = Pool::new(upstream.authority.clone(), connect_timeout);
+        let pool = Pool::new(upstream.authority.clone(), connect_timeout, idle_timeout);
         Self {
             shared: Arc::new(ForwarderShared {
                 host: pool.host_header(),
@@ -661,6 +663,7 @@ mod tests {
             upstream(&format!("http://{addr}")),
             Duration::from_millis(200),
             Duration::from_secs(30),
+            crate::proxy::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             Metrics::new(),
         );
         let shared = &forwarder.shared;

@@ -8,7 +8,10 @@
 //! with it: HTTP/1.1 cannot reuse a connection with a response half-read.
 //!
 //! The pool holds at most [`MAX_IDLE`] idle connections; an idle connection is closed at the
-//! second reaper round (every [`REAP_EVERY`]) after it came back, so after 2 to 4 s idle.
+//! second reaper round after it came back, the rounds half the pool's idle timeout apart, so
+//! after between half of that timeout and all of it. Closing ours before the upstream closes
+//! its side means a request is never written to a connection the upstream is closing at
+//! that moment, which would leave the request's outcome unknown.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,11 +26,6 @@ use super::client::Connection;
 
 /// Most idle connections kept; more are closed as they come back.
 pub const MAX_IDLE: usize = 512;
-/// How often idle connections are checked; one idle for two checks is closed, so an idle
-/// connection lives 2 to 4 s. Servers commonly close idle keep-alive connections after 5 s
-/// (Node.js, uvicorn, Apache); closing ours first means a request is never written to a
-/// connection the upstream is closing at that moment, which would leave its outcome unknown.
-pub const REAP_EVERY: Duration = Duration::from_secs(2);
 
 /// Why no connection could be had. Nothing was sent.
 #[derive(Debug, thiserror::Error)]
@@ -76,9 +74,14 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// A pool of connections to `authority` that gives up connecting after `connect_timeout`.
-    /// Made inside a runtime, it starts its reaper there; the reaper stops with the pool.
-    pub fn new(authority: Authority, connect_timeout: Duration) -> Arc<Self> {
+    /// A pool of connections to `authority` that gives up connecting after `connect_timeout`
+    /// and keeps an idle connection at most `idle_timeout`. Made inside a runtime, it starts
+    /// its reaper there; the reaper stops with the pool.
+    pub fn new(
+        authority: Authority,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
         // `[::1]` names an IPv6 address; the socket wants it bare.
         let host = authority
             .host()
@@ -95,7 +98,7 @@ impl Pool {
             round: AtomicU64::new(0),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(reap(Arc::downgrade(&pool)));
+            runtime.spawn(reap(Arc::downgrade(&pool), idle_timeout / 2));
         }
         pool
     }
@@ -183,8 +186,9 @@ impl Pool {
     }
 }
 
-async fn reap(pool: Weak<Pool>) {
-    let mut ticks = tokio::time::interval(REAP_EVERY);
+/// Runs a reaper round every `every` while the pool lives.
+async fn reap(pool: Weak<Pool>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
     ticks.tick().await;
     loop {
         ticks.tick().await;
@@ -228,6 +232,9 @@ mod tests {
         (addr, server)
     }
 
+    /// The proxy's default idle timeout: no test waits for it.
+    const IDLE: Duration = crate::proxy::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT;
+
     fn authority(addr: std::net::SocketAddr) -> Authority {
         addr.to_string().parse().unwrap()
     }
@@ -235,7 +242,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_comes_back_ready_and_is_reused() {
         let (addr, _server) = upstream().await;
-        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1), IDLE);
         assert!(pool.take_idle().is_none());
         let mut connection = pool.connect().await.unwrap();
         let (head, ()) = http::Request::builder()
@@ -273,13 +280,34 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_reaped_after_two_rounds() {
         let (addr, _server) = upstream().await;
-        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1), IDLE);
         let connection = pool.connect().await.unwrap();
         pool.put_back(connection);
         pool.reap_round();
         assert_eq!(pool.idle_count(), 1, "idle for less than a round");
         pool.reap_round();
         assert_eq!(pool.idle_count(), 0, "idle for a whole round");
+    }
+
+    #[tokio::test]
+    async fn the_reaper_closes_a_connection_idle_for_the_idle_timeout() {
+        let (addr, _server) = upstream().await;
+        let pool = Pool::new(
+            authority(addr),
+            Duration::from_secs(1),
+            Duration::from_millis(200),
+        );
+        pool.put_back(pool.connect().await.unwrap());
+        assert_eq!(pool.idle_count(), 1);
+        // Rounds every 100 ms close it after 100 to 200 ms; waited for up to 1.5 s, less
+        // than the 2 s of the first round at the default timeout.
+        for _ in 0..30 {
+            if pool.idle_count() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(pool.idle_count(), 0, "still idle in the pool after 1.5 s");
     }
 
     #[tokio::test]
@@ -292,7 +320,7 @@ mod tests {
                 drop(stream);
             }
         });
-        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1), IDLE);
         let connection = pool.connect().await.unwrap();
         pool.put_back(connection);
         // The runtime learns of the close a moment later; from then on the connection is
@@ -319,7 +347,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let pool = Pool::new(authority(addr), Duration::from_secs(1));
+        let pool = Pool::new(authority(addr), Duration::from_secs(1), IDLE);
         let error = pool.connect().await.expect_err("nothing listens there");
         assert!(matches!(error, ConnectError::Connect { .. }), "{error:?}");
     }

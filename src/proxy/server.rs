@@ -171,6 +171,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         settings.upstream.clone(),
         settings.upstream_timeout,
         settings.upstream_connect_timeout,
+        settings.upstream_idle_timeout,
         Arc::clone(&metrics),
     );
     // One service per client connection: its forwarder knows the client's address.

@@ -636,7 +636,7 @@ impl FileConfig {
             return Err(ConfigError::invalid(
                 "upstream_idle_timeout",
                 format!(
-                    "{upstream_idle_timeout:?} is shorter than the least, {MIN_UPSTREAM_IDLE_TIMEOUT:?}"
+                    "{upstream_idle_timeout:?} is shorter than {MIN_UPSTREAM_IDLE_TIMEOUT:?}, the least it may be"
                 ),
             ));
         }

@@ -868,8 +868,13 @@ enum BodyState {
 
 impl BodyReader {
     /// A reader for the body of `head`, which was read from `connection`, that waits at most
-    /// `stall` for each read.
-    pub fn new(head: &ResponseHead, connection: Connection, stall: Duration) -> Self {
+    /// `stall` for each read, and writes `unsent` to the upstream as it reads.
+    pub fn new(
+        head: &ResponseHead,
+        connection: Connection,
+        stall: Duration,
+        unsent: Option<UnsentBody>,
+    ) -> Self {
         let state = match head.framing {
             Framing::Empty => BodyState::Done,
             Framing::Length(n) => BodyState::Length(n),
@@ -882,14 +887,8 @@ impl BodyReader {
             keep_alive: head.keep_alive,
             stall,
             waiting: false,
-            unsent: None,
+            unsent: unsent.map(Box::new),
         }
-    }
-
-    /// The same reader, writing `unsent` to the upstream as it reads.
-    pub fn sending(mut self, unsent: Option<UnsentBody>) -> Self {
-        self.unsent = unsent.map(Box::new);
-        self
     }
 
     /// Whether the body has been read to its end.
@@ -1224,7 +1223,7 @@ pub(super) mod tests {
         let (addr, _server) = scripted(vec![answer], Pace::Whole).await;
         let mut connection = connect(addr).await;
         let response = get(&mut connection, method).await?;
-        Ok(BodyReader::new(&response, connection, STALL))
+        Ok(BodyReader::new(&response, connection, STALL, None))
     }
 
     /// A wait for body bytes no test reaches.
@@ -1272,7 +1271,7 @@ pub(super) mod tests {
         let mut connection = connect(addr).await;
         // Far off: the connection's timer is registered for that deadline.
         let first = get(&mut connection, Method::GET).await.unwrap();
-        let mut reader = BodyReader::new(&first, connection, STALL);
+        let mut reader = BodyReader::new(&first, connection, STALL, None);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
         let mut connection = reader.take_reusable().expect("read to its end: reusable");
         // An earlier deadline than the timer's: it must fire then, not at the first's.
@@ -1307,14 +1306,14 @@ pub(super) mod tests {
         assert_eq!(first.status, StatusCode::OK);
         let values: Vec<_> = first.headers.get_all("x-a").iter().collect();
         assert_eq!(values, ["1", "2"], "repeated fields keep their order");
-        let mut reader = BodyReader::new(&first, connection, STALL);
+        let mut reader = BodyReader::new(&first, connection, STALL, None);
         assert_eq!(reader.remaining(), Some(5));
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
         let mut connection = reader.take_reusable().expect("read to its end: reusable");
         assert!(connection.is_usable());
         let second = get(&mut connection, Method::GET).await.unwrap();
         assert_eq!(second.status, StatusCode::CREATED);
-        let mut reader = BodyReader::new(&second, connection, STALL);
+        let mut reader = BodyReader::new(&second, connection, STALL, None);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"ok");
         drop(reader);
         let sent = String::from_utf8(server.await.unwrap()).unwrap();
@@ -1347,7 +1346,7 @@ pub(super) mod tests {
         let response = get(&mut connection, Method::GET).await.unwrap();
         // Each wait may last 1 s: the 100 ms pause passes, the endless one does not.
         let stall = Duration::from_secs(1);
-        let mut reader = BodyReader::new(&response, connection, stall);
+        let mut reader = BodyReader::new(&response, connection, stall, None);
         let mut got = Vec::new();
         let end = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
@@ -1385,7 +1384,7 @@ pub(super) mod tests {
             StatusCode::OK,
             "the interim 100 is skipped"
         );
-        let mut reader = BodyReader::new(&response, connection, STALL);
+        let mut reader = BodyReader::new(&response, connection, STALL, None);
         assert_eq!(reader.remaining(), None);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello world");
         assert!(
@@ -1704,7 +1703,7 @@ pub(super) mod tests {
         .expect("the early answer is read while the body waits")
         .unwrap();
         assert_eq!(response.status, StatusCode::PAYLOAD_TOO_LARGE);
-        let mut reader = BodyReader::new(&response, connection, STALL);
+        let mut reader = BodyReader::new(&response, connection, STALL, None);
         assert!(reader.is_done());
         assert!(
             reader.take_reusable().is_none(),
@@ -1835,7 +1834,7 @@ pub(super) mod tests {
             "the head came long before 16 MiB of body could be written"
         );
         (
-            BodyReader::new(&response, connection, STALL).sending(unsent),
+            BodyReader::new(&response, connection, STALL, unsent),
             server,
         )
     }
@@ -1886,7 +1885,7 @@ pub(super) mod tests {
         let mut connection = connect(addr).await;
         let response = get(&mut connection, Method::GET).await.unwrap();
         assert!(!response.headers.contains_key(CONTENT_LENGTH));
-        let mut reader = BodyReader::new(&response, connection, STALL);
+        let mut reader = BodyReader::new(&response, connection, STALL, None);
         assert_eq!(read_all(&mut reader).await.unwrap(), b"hello");
         assert!(reader.take_reusable().is_none());
     }

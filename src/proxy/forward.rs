@@ -148,7 +148,7 @@ where
             shared.metrics.observe_upstream(started.elapsed());
             prepare_response_headers(&mut head.headers);
             let body = ProxyBody::upstream(
-                BodyReader::new(&head, connection, shared.timeout).sending(unsent),
+                BodyReader::new(&head, connection, shared.timeout, unsent),
                 &shared.pool,
             );
             let mut response = Response::new(body);

@@ -261,7 +261,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let mut reader = BodyReader::new(&response, connection, STALL);
+        let mut reader = BodyReader::new(&response, connection, STALL, None);
         let mut body = Vec::new();
         while let Some(data) = poll_fn(|cx| reader.poll_data(cx)).await {
             body.extend_from_slice(&data.unwrap());

@@ -15,6 +15,7 @@ use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 use self::table::{Id, Swept, Table};
 
+mod due;
 mod table;
 
 /// Most expiry filings the background sweep looks at under one shard lock (each removes an

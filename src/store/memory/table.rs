@@ -2,28 +2,28 @@
 //!
 //! Rows live in a slab (`Vec` of slots, vacant slots linked into a free list) and are named by
 //! their slot number. The key index is a hash table of slot numbers hashed by their row's key,
-//! and the expiry index is a min-heap of `(due time, slot number)`: neither repeats the key.
+//! and the expiry index ([`Due`]) holds `(due time, slot number)` filings taken out earliest
+//! first: neither repeats the key.
 //!
-//! The heap is lazy. A row is filed under a due time no later than its expiry; a later expiry
-//! (the usual change: claim, then complete or renew) changes only the row, and an earlier one
-//! files the row again. When a row's filing comes due, the row is removed if it has expired,
-//! or filed again under its expiry if not. Filings left behind by an earlier filing or by a
-//! removed row are recognised and dropped when they come due (a filing counts only while its
-//! row is there and filed under that very time); once the heap holds more than twice as many
-//! filings as the slab has slots, it is rebuilt from the rows, one filing each, so leftovers
-//! never pile up.
-
-use std::collections::BinaryHeap;
+//! The expiry index is lazy. A row is filed under a due time no later than its expiry; a
+//! later expiry (the usual change: claim, then complete or renew) changes only the row, and
+//! an earlier one files the row again. When a row's filing comes due, the row is removed if
+//! it has expired, or filed again under its expiry if not. Filings left behind by an earlier
+//! filing or by a removed row are recognised and dropped when they come due (a filing counts
+//! only while its row is there and filed under that very time); once the index holds more
+//! than twice as many filings as the slab has slots, it is rebuilt from the rows, one filing
+//! each, so leftovers never pile up.
 
 use hashbrown::HashTable;
 
 use super::Tick;
+use super::due::{Due, Filing};
 use crate::record::RecordKey;
 use crate::store::key_hash::KeyHasher;
 
 /// The slot number that names no slot: the end of the free list.
 const NONE: u32 = u32::MAX;
-/// Fewest filings the heap may hold before leftovers are cleared out.
+/// Fewest filings the expiry index may hold before leftovers are cleared out.
 const MIN_FILINGS: usize = 64;
 
 /// The records of one shard: the key and expiry of each, and the value the store keeps.
@@ -35,7 +35,7 @@ pub(super) struct Table<V> {
     /// The first vacant slot, or [`NONE`].
     vacant: u32,
     /// When rows come due: the earliest first.
-    due: BinaryHeap<Filing>,
+    due: Due,
 }
 
 enum Slot<V> {
@@ -48,7 +48,7 @@ pub(super) struct Row<V> {
     /// The record's key.
     pub(super) key: RecordKey,
     expires: Tick,
-    /// The time this row is filed under in the heap; never later than `expires`.
+    /// The time this row is filed under in the expiry index; never later than `expires`.
     filed: Tick,
     /// What the store keeps for the record.
     pub(super) value: V,
@@ -64,29 +64,6 @@ impl<V> Row<V> {
 /// A row's place in a [`Table`], valid until the row is removed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Id(u32);
-
-/// A heap entry: slot `slot` comes due at `at`. Ordered so that the earliest is the greatest,
-/// for `BinaryHeap`'s max-heap.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Filing {
-    at: Tick,
-    slot: u32,
-}
-
-impl Ord for Filing {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        other
-            .at
-            .cmp(&self.at)
-            .then_with(|| other.slot.cmp(&self.slot))
-    }
-}
-
-impl PartialOrd for Filing {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
 
 /// What one [`Table::remove_expired`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +81,7 @@ impl<V> Default for Table<V> {
             hasher: KeyHasher::new(),
             slots: Vec::new(),
             vacant: NONE,
-            due: BinaryHeap::new(),
+            due: Due::default(),
         }
     }
 }
@@ -203,7 +180,7 @@ impl<V> Table<V> {
             return None;
         };
         self.vacant = slot;
-        // The row's filings stay in the heap until they come due or the heap is rebuilt.
+        // The row's filings stay in the expiry index until they come due or it is rebuilt.
         Some(row)
     }
 
@@ -231,11 +208,10 @@ impl<V> Table<V> {
         }
     }
 
-    /// Rebuilds the heap with exactly one filing per row, under its expiry: drops every
+    /// Rebuilds the expiry index with exactly one filing per row, under its expiry: drops every
     /// leftover. Linear in the slab, and needs at least as many filings since the last rebuild.
     fn refile_all(&mut self) {
-        let mut filings = std::mem::take(&mut self.due).into_vec();
-        filings.clear();
+        let mut filings = Vec::with_capacity(self.index.len());
         for (slot, entry) in self.slots.iter_mut().enumerate() {
             if let Slot::Occupied(row) = entry {
                 row.filed = row.expires;
@@ -247,7 +223,7 @@ impl<V> Table<V> {
                 });
             }
         }
-        self.due = BinaryHeap::from(filings);
+        self.due.replace(filings);
     }
 
     /// Removes rows that expired by `now`, looking at no more than `budget` filings; calls
@@ -260,7 +236,7 @@ impl<V> Table<V> {
     ) -> Swept {
         let mut count = 0;
         for _ in 0..budget {
-            let Some(&filing) = self.due.peek() else {
+            let Some(filing) = self.due.peek() else {
                 break;
             };
             if filing.at > now {
@@ -295,13 +271,13 @@ impl<V> Table<V> {
         self.index.len()
     }
 
-    /// Filings in the heap, leftovers included.
+    /// Filings in the expiry index, leftovers included.
     pub(super) fn filings(&self) -> usize {
         self.due.len()
     }
 
     /// Panics unless every structure agrees: each row is indexed under its key and filed no
-    /// later than its expiry, the free list holds exactly the vacant slots, and the heap stays
+    /// later than its expiry, the free list holds exactly the vacant slots, and the index stays
     /// within its bound.
     pub(super) fn check(&self) {
         let occupied: Vec<u32> = (0..self.slots.len() as u32)
@@ -484,7 +460,7 @@ mod tests {
     fn leftovers_stay_bounded_without_sweeps() {
         let mut table = Table::default();
         // Rows that come and go long before their expiry, and expiries moved earlier, leave
-        // filings behind; the heap is rebuilt before they exceed twice the slab.
+        // filings behind; the expiry index is rebuilt before they exceed twice the slab.
         let keep = table.insert(key(u64::MAX), Tick(1_000_000), 0).unwrap();
         for i in 0..10_000u64 {
             let id = table.insert(key(i), Tick(1_000_000 + i), i).unwrap();

@@ -425,6 +425,12 @@ impl BodyWriter {
         Ok(())
     }
 
+    /// Whether a pending [`BodyWriter::poll_write`] waits for the body rather than the socket:
+    /// everything taken so far is written.
+    fn awaits_body(&self) -> bool {
+        self.queue.is_empty() && !self.ended
+    }
+
     /// Writes what is queued, then takes the body's next frame, until the body and its
     /// framing are all written (`Ready(Ok)`), the socket or the body waits, or either fails.
     fn poll_write<W, B>(
@@ -919,12 +925,16 @@ impl BodyReader {
 
     /// The next piece of the body, `None` at its end.
     pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, ClientError>>> {
-        let mut result = match self.poll_unsent(cx) {
-            Ok(()) => self.poll_step(cx),
-            Err(error) => Poll::Ready(Some(Err(error))),
+        let (mut result, client_owes) = match self.poll_unsent(cx) {
+            Ok(client_owes) => (self.poll_step(cx), client_owes),
+            Err(error) => (Poll::Ready(Some(Err(error))), false),
         };
         if result.is_pending() {
-            if self.poll_stalled(cx).is_ready() {
+            if client_owes {
+                // The upstream waits for the client's body, not the other way round: no
+                // stall of the upstream's (the client's own pace is the server's to bound).
+                self.waiting = false;
+            } else if self.poll_stalled(cx).is_ready() {
                 result = Poll::Ready(Some(Err(ClientError::Stalled(self.stall))));
             }
         } else {
@@ -939,14 +949,14 @@ impl BodyReader {
         result
     }
 
-    /// Writes what it can of the rest of the request body. Only the client's body failing
-    /// is an error (the upstream holds a broken request, so its answer is not whole either);
-    /// the socket failing ends the writing, for an upstream may stop reading and still
-    /// answer.
-    fn poll_unsent(&mut self, cx: &mut Context<'_>) -> Result<(), ClientError> {
+    /// Writes what it can of the rest of the request body; answers whether the writing now
+    /// waits for more of the client's body. Only the client's body failing is an error (the
+    /// upstream holds a broken request, so its answer is not whole either); the socket
+    /// failing ends the writing, for an upstream may stop reading and still answer.
+    fn poll_unsent(&mut self, cx: &mut Context<'_>) -> Result<bool, ClientError> {
         let (Some(unsent), Some(connection)) = (self.unsent.as_mut(), self.connection.as_mut())
         else {
-            return Ok(());
+            return Ok(false);
         };
         let result = unsent
             .writer
@@ -956,12 +966,12 @@ impl BodyReader {
             self.waiting = false;
         }
         match result {
-            Poll::Pending => Ok(()),
+            Poll::Pending => Ok(unsent.writer.awaits_body()),
             Poll::Ready(result) => {
                 self.unsent = None;
                 match result {
                     Err(error @ ClientError::RequestBody(_)) => Err(error),
-                    _ => Ok(()),
+                    _ => Ok(false),
                 }
             }
         }
@@ -1860,6 +1870,69 @@ pub(super) mod tests {
         );
     }
 
+    /// A body of `length` bytes whose frames come through a channel, as the test sends them.
+    struct Channelled {
+        frames: tokio::sync::mpsc::Receiver<Bytes>,
+        length: u64,
+    }
+
+    impl Body for Channelled {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            self.frames
+                .poll_recv(cx)
+                .map(|frame| frame.map(|data| Ok(http_body::Frame::data(data))))
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(self.length)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slow_client_body_after_an_early_answer_is_not_an_upstream_stall() {
+        let (addr, server) = echoing().await;
+        let mut connection = connect(addr).await;
+        let (frames, rx) = tokio::sync::mpsc::channel(1);
+        let mut body = Channelled {
+            frames: rx,
+            length: 10,
+        };
+        frames.send(Bytes::from_static(b"first")).await.unwrap();
+        let mut response = connection
+            .send(
+                &head(Method::POST, "/echo"),
+                &OwnFields::default(),
+                &mut body,
+                &mut None,
+                soon(),
+            )
+            .await
+            .unwrap();
+        let unsent = UnsentBody::take(&mut response, body);
+        assert!(unsent.is_some(), "half the body is still to come");
+        let stall = Duration::from_millis(200);
+        let mut reader = BodyReader::new(&response, connection, stall, unsent);
+        let reading = tokio::spawn(async move { read_all(&mut reader).await });
+        // The client takes three stall times to send the rest: the upstream, waiting for it,
+        // is not the one stalling.
+        tokio::time::sleep(3 * stall).await;
+        frames.send(Bytes::from_static(b"-last")).await.unwrap();
+        drop(frames);
+        let echoed = tokio::time::timeout(Duration::from_secs(10), reading)
+            .await
+            .expect("the response ends once the body is whole")
+            .unwrap()
+            .expect("no stall");
+        assert_eq!(echoed, b"first-last");
+        assert_eq!(server.await.unwrap(), 10);
+    }
+
     #[tokio::test]
     async fn a_client_body_that_fails_after_an_early_answer_breaks_the_response() {
         let (mut reader, server) = post_to_echo(256, true).await;
@@ -1871,8 +1944,12 @@ pub(super) mod tests {
             "{result:?}"
         );
         drop(reader);
-        // The connection closed with the request short of its length.
-        assert!(server.await.unwrap() < (257 * UPLOAD_FRAME) as u64);
+        // The connection is closed, with the request short of its length: the upstream is not
+        // left waiting for the rest.
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the upstream sees the connection close")
+            .unwrap();
     }
 
     #[tokio::test]

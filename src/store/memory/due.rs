@@ -1,19 +1,21 @@
 //! [`Due`]: the filings of a [`super::table::Table`], earliest first.
 //!
-//! Filings mostly come in a few streams, each in time order: with one record lifetime, a
-//! claim files its row at now + lease and a completion at now + ttl, so each stream's due
-//! times only grow. Each stream goes into a run of its own (a queue, in time order) and
-//! comes out from the front: adding and taking a filing touch the ends of a queue, where a
-//! heap of a few hundred thousand filings would walk a path through memory that is no longer
-//! in the cache. A filing that fits no run (it is earlier than the end of every run, and
-//! every run is in use) goes into a heap, so any order of filings is still served
-//! earliest first.
+//! Filings mostly come in a few streams, each nearly in time order. With one record lifetime,
+//! a claim files its row at now + ttl, and when that filing comes due the sweep files the row
+//! again under its expiry, the completion's time + ttl: both streams' due times grow (the
+//! second out of order only where an upstream answered a later request sooner). Each stream
+//! goes into a run of its own (a queue, in time order) and comes out from the front: adding
+//! and taking a filing touch the ends of a queue, where a heap of a few hundred thousand
+//! filings would walk a path through memory that is no longer in the cache. A filing that
+//! fits no run (it is earlier than the end of every run, and every run is in use: several
+//! lifetimes, or refilings out of order) goes into a heap, so any order of filings is still
+//! served earliest first; the gain is in how many fit a run.
 
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::Tick;
 
-/// Most runs kept: enough for the streams of a few lifetimes and leases.
+/// Most runs kept: enough for the two streams of one or two record lifetimes.
 const RUNS: usize = 4;
 
 /// A row's place in the expiry order: slot `slot` comes due at `at`. Ordered so that the

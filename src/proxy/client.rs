@@ -1227,6 +1227,22 @@ pub(super) mod tests {
             .await
     }
 
+    /// Sends a `POST` to `target` with `body` on `connection`.
+    async fn send_post<B>(
+        connection: &mut Connection,
+        target: &str,
+        body: &mut B,
+    ) -> Result<ResponseHead, SendError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let post = head(Method::POST, target);
+        connection
+            .send(&post, &OwnFields::default(), body, &mut None, soon())
+            .await
+    }
+
     /// One request with `method` to an upstream that answers `answer`: the response's body
     /// reader, or why there was none.
     async fn exchange(answer: &'static [u8], method: Method) -> Result<BodyReader, SendError> {
@@ -1540,26 +1556,12 @@ pub(super) mod tests {
             Bytes::from_static(b"abc"),
             Bytes::from_static(b"defgh"),
         ]));
-        connection
-            .send(
-                &head(Method::POST, "/stream"),
-                &OwnFields::default(),
-                &mut frames,
-                &mut None,
-                soon(),
-            )
+        send_post(&mut connection, "/stream", &mut frames)
             .await
             .unwrap();
         // An empty frame is not a chunk: `0` would end the body early.
         let mut empty = Frames(VecDeque::from([Bytes::new()]));
-        connection
-            .send(
-                &head(Method::POST, "/empty"),
-                &OwnFields::default(),
-                &mut empty,
-                &mut None,
-                soon(),
-            )
+        send_post(&mut connection, "/empty", &mut empty)
             .await
             .unwrap();
         drop(connection);
@@ -1701,13 +1703,7 @@ pub(super) mod tests {
         let mut body = Stalled(Some(Bytes::from_static(b"first ten.")));
         let response = tokio::time::timeout(
             Duration::from_secs(5),
-            connection.send(
-                &head(Method::POST, "/upload"),
-                &OwnFields::default(),
-                &mut body,
-                &mut None,
-                soon(),
-            ),
+            send_post(&mut connection, "/upload", &mut body),
         )
         .await
         .expect("the early answer is read while the body waits")
@@ -1827,14 +1823,7 @@ pub(super) mod tests {
             total: frames + usize::from(fail),
             fail,
         };
-        let mut response = connection
-            .send(
-                &head(Method::POST, "/echo"),
-                &OwnFields::default(),
-                &mut body,
-                &mut None,
-                soon(),
-            )
+        let mut response = send_post(&mut connection, "/echo", &mut body)
             .await
             .unwrap();
         assert_eq!(response.status, StatusCode::OK);
@@ -1904,14 +1893,7 @@ pub(super) mod tests {
             length: 10,
         };
         frames.send(Bytes::from_static(b"first")).await.unwrap();
-        let mut response = connection
-            .send(
-                &head(Method::POST, "/echo"),
-                &OwnFields::default(),
-                &mut body,
-                &mut None,
-                soon(),
-            )
+        let mut response = send_post(&mut connection, "/echo", &mut body)
             .await
             .unwrap();
         let unsent = UnsentBody::take(&mut response, body);

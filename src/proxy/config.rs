@@ -1003,7 +1003,7 @@ impl RouteFile {
         if lease < MIN_LEASE {
             return Err(ConfigError::invalid(
                 f("lease"),
-                "must be at least 300ms (it is renewed at a third of it)",
+                format!("must be at least {MIN_LEASE:?} (it is renewed at a third of it)"),
             ));
         }
         lease_outlasts_a_renewal(lease, defaults.store_timeout)

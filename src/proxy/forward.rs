@@ -216,10 +216,8 @@ impl SendError {
     }
 }
 
-/// Sends the request on an idle connection, or on a new one; an idle connection that fails
-/// before anything was written to it gets the request sent on a new one. Answers with the
-/// response head, the connection it came on, and what is left of the body when the upstream
-/// answered before it had all of it.
+/// Sends the request (see [`exchange`]); answers with the response head, the connection it
+/// came on, and what is left of the body when the upstream answered before it had all of it.
 async fn send<B>(
     pool: &Pool,
     head: &http::request::Parts,
@@ -231,17 +229,30 @@ where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let (mut response, connection) = exchange(pool, head, own, &mut body, deadline).await?;
+    let unsent = UnsentBody::take(&mut response, body);
+    Ok((response, connection, unsent))
+}
+
+/// Sends the request on an idle connection, or on a new one; an idle connection that fails
+/// before anything was written to it gets the request sent on a new one. Answers with the
+/// response head and the connection it came on.
+async fn exchange<B>(
+    pool: &Pool,
+    head: &http::request::Parts,
+    own: &OwnFields<'_>,
+    body: &mut B,
+    deadline: tokio::time::Instant,
+) -> Result<(ResponseHead, Connection), SendError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     // A body frame taken by an attempt that wrote nothing, for the next attempt.
     let mut first = None;
     if let Some(mut connection) = pool.take_idle() {
-        match connection
-            .send(head, own, &mut body, &mut first, deadline)
-            .await
-        {
-            Ok(mut response) => {
-                let unsent = UnsentBody::take(&mut response, body);
-                return Ok((response, connection, unsent));
-            }
+        match connection.send(head, own, body, &mut first, deadline).await {
+            Ok(response) => return Ok((response, connection)),
             Err(client::SendError::Unused(error)) => {
                 tracing::debug!(error = %ErrorChain(&error), "idle upstream connection failed; trying a new one");
             }
@@ -252,11 +263,10 @@ where
         .await
         .map_err(|_| SendError::ConnectTimedOut)?
         .map_err(SendError::Connect)?;
-    let mut response = connection
-        .send(head, own, &mut body, &mut first, deadline)
+    let response = connection
+        .send(head, own, body, &mut first, deadline)
         .await?;
-    let unsent = UnsentBody::take(&mut response, body);
-    Ok((response, connection, unsent))
+    Ok((response, connection))
 }
 
 /// The answer when the upstream gave none: the layer's problem response, marked with what

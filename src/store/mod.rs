@@ -12,6 +12,8 @@ use async_trait::async_trait;
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
+#[cfg(feature = "redb")]
+mod handout;
 mod key_hash;
 mod memory;
 #[cfg(feature = "redb")]

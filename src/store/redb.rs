@@ -8,7 +8,8 @@
 //! applies it in order in one write transaction — each change still a single atomic step,
 //! later ones seeing earlier ones — and commits once for the whole batch (group commit). A
 //! batch that changed nothing (replays, conflicts, fenced calls) is not synced. Nothing
-//! blocks the async runtime.
+//! blocks the async runtime, and a batch's answers cost its callers' runtime one wake-up
+//! from the writer thread, not one each (see [`Handout`]).
 //!
 //! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
 //! process that wrote it.
@@ -54,6 +55,7 @@ use redb::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use super::handout::{Answer, Handout};
 use super::key_hash::KeyHasher;
 use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
 use crate::record::{
@@ -119,6 +121,8 @@ struct Shared {
     commits: Arc<std::sync::atomic::AtomicU64>,
     path: Arc<Path>,
     ops: Option<mpsc::Sender<Op>>,
+    /// Where the writer leaves a committed batch's answers.
+    answers: Arc<Handout<Done>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -221,9 +225,11 @@ impl RedbStore {
         let (ops, queue) = mpsc::channel(QUEUE);
         #[cfg(test)]
         let commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let answers = Arc::new(Handout::new());
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
+            answers: Arc::clone(&answers),
             db: Some(db),
             path: Arc::clone(&path),
             poisoned: None,
@@ -248,6 +254,7 @@ impl RedbStore {
             commits,
             path: Arc::clone(&path),
             ops: Some(ops.clone()),
+            answers,
             writer: Some(writer),
         };
         // The ticker holds only a weak sender: it never keeps the writer alive.
@@ -299,7 +306,7 @@ impl RedbStore {
         let ops = self.shared.ops.as_ref().ok_or_else(gone)?;
         let (reply, answer) = oneshot::channel();
         ops.send(op(reply)).await.map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+        self.shared.answers.wait(answer).await.map_err(|_| gone())?
     }
 }
 
@@ -801,15 +808,58 @@ impl Failure {
     }
 }
 
-/// Sends a change's answer once its batch is committed, or the batch's failure.
-type Done = Box<dyn FnOnce(Option<&Failure>) + Send>;
+/// A change's answer, held until its batch is committed, then sent through the
+/// [`Handout`].
+type Done = Box<dyn Settle>;
+
+/// An answer of any type, as [`Done`] holds it.
+trait Settle: Send {
+    /// Replaces the answer with the batch's failure.
+    fn fail(&mut self, failure: &Failure);
+    /// Sends the answer; `false` if the caller is gone.
+    fn send(self: Box<Self>) -> bool;
+}
+
+struct Settled<T> {
+    reply: Reply<T>,
+    /// `None` for a change whose storage error failed the batch: its answer is the failure.
+    answer: Option<Result<T, StoreError>>,
+}
+
+impl<T: Send> Settle for Settled<T> {
+    fn fail(&mut self, failure: &Failure) {
+        self.answer = Some(Err(failure.error()));
+    }
+
+    fn send(self: Box<Self>) -> bool {
+        match self.answer {
+            Some(answer) => self.reply.send(answer).is_ok(),
+            None => false,
+        }
+    }
+}
+
+/// A change nobody waits for (the writer's own sweep).
+struct Unanswered;
+
+impl Settle for Unanswered {
+    fn fail(&mut self, _: &Failure) {}
+
+    fn send(self: Box<Self>) -> bool {
+        false
+    }
+}
+
+impl Answer for Done {
+    fn send(self) -> bool {
+        Settle::send(self)
+    }
+}
 
 fn done<T: Send + 'static>(reply: Reply<T>, answer: Result<T, StoreError>) -> Done {
-    Box::new(move |failure| {
-        let _ = reply.send(match failure {
-            None => answer,
-            Some(f) => Err(f.error()),
-        });
+    Box::new(Settled {
+        reply,
+        answer: Some(answer),
     })
 }
 
@@ -838,6 +888,8 @@ impl Op {
 struct Writer {
     #[cfg(test)]
     commits: Arc<std::sync::atomic::AtomicU64>,
+    /// Where each batch's answers go once it is committed (or failed).
+    answers: Arc<Handout<Done>>,
     /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
     db: Option<Database>,
     path: Arc<Path>,
@@ -967,9 +1019,10 @@ impl Writer {
                 })
             }
         };
-        for done in dones {
-            done(failure.as_ref());
+        if let Some(failure) = &failure {
+            dones.iter_mut().for_each(|done| done.fail(failure));
         }
+        self.answers.deliver(dones);
         if let Some(failure) = &failure {
             ops.for_each(|op| op.fail(failure));
         }
@@ -1101,11 +1154,11 @@ impl Tables<'_> {
         ) -> (Done, Option<redb::Error>) {
             match result {
                 Ok(answer) => (done(reply, answer), None),
+                // Answered with the batch's failure, which this error causes.
                 Err(e) => (
-                    Box::new(move |failure: Option<&Failure>| {
-                        if let Some(f) = failure {
-                            let _ = reply.send(Err(f.error()));
-                        }
+                    Box::new(Settled {
+                        reply,
+                        answer: None,
                     }),
                     Some(e),
                 ),
@@ -1174,7 +1227,7 @@ impl Tables<'_> {
                 }
                 match reply {
                     Some(reply) => split(reply, result.map(Ok)),
-                    None => (Box::new(|_| {}), result.err()),
+                    None => (Box::new(Unanswered), result.err()),
                 }
             }
         }
@@ -1619,6 +1672,7 @@ mod tests {
         let rows = RowIndex::load(&db).unwrap();
         let mut writer = Writer {
             commits: Arc::default(),
+            answers: Arc::new(Handout::new()),
             db: Some(db),
             path: Arc::from(path.as_path()),
             poisoned: None,

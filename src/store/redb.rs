@@ -1720,6 +1720,50 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
+    /// A batch's answers reach their callers through one of them (see `Handout`): callers
+    /// that gave up before their answer came (their store timeout) are passed over, and the
+    /// others are all answered. (A caller reached and then dropped is the handout's own test.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_that_give_up_leave_no_answer_waiting() {
+        let path = temp_path("give-up");
+        let store = RedbStore::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let options = ClaimOptions {
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lapse: UnknownOutcome::Ambiguous,
+        };
+        for round in 0..20u32 {
+            let calls: Vec<_> = (0..64u32)
+                .map(|i| {
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        let key = Hash256::of(&[round.to_be_bytes(), i.to_be_bytes()].concat());
+                        let fp = Hash256::of(b"fp");
+                        let claim = store.claim(&key, &fp, OwnerToken::generate(), &options);
+                        if i % 3 == 0 {
+                            // Gives up at once or part-way, whether or not it was answered.
+                            let wait = Duration::from_micros(u64::from(i * 37 % 400));
+                            let _ = tokio::time::timeout(wait, claim).await;
+                            None
+                        } else {
+                            Some(claim.await)
+                        }
+                    })
+                })
+                .collect();
+            for call in calls {
+                let answer = tokio::time::timeout(Duration::from_secs(10), call)
+                    .await
+                    .expect("every caller that waits is answered")
+                    .unwrap();
+                if let Some(claim) = answer {
+                    assert!(matches!(claim, Ok(Claim::Acquired(_))), "{claim:?}");
+                }
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_changes_share_commits() {
         let path = temp_path("group-commit");

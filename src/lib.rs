@@ -26,6 +26,7 @@ mod future;
 pub mod headers;
 pub mod key;
 mod layer;
+mod lock;
 pub mod policy;
 #[cfg(feature = "proxy")]
 pub mod proxy;

@@ -164,10 +164,10 @@ impl Pool {
         self.lock().len()
     }
 
+    /// The idle list; changed only by pushes, pops and retains, so a poisoned lock is taken
+    /// as it is.
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
-        self.idle
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::lock::lock(&self.idle)
     }
 
     /// One reaper round: closes connections idle since before the previous round, and those

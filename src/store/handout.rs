@@ -73,11 +73,8 @@ impl<A: Answer> Handout<A> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<A>> {
-        // An answer's send cannot panic halfway through the queue, so a poisoned lock holds a
-        // whole queue.
-        self.queued
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        // Changed only by extends, pops and takes, so a poisoned lock holds a whole queue.
+        crate::lock::lock(&self.queued)
     }
 
     /// Waits for the answer `receiver` gets through this handout.

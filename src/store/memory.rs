@@ -11,6 +11,9 @@ use bytes::Bytes;
 use super::{
     Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
 };
+// A shard's lock is taken as it is when poisoned: every change under it is a few infallible
+// map operations, so a panic cannot leave a shard half-changed.
+use crate::lock::lock;
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 use self::table::{Id, Swept, Table};
@@ -355,14 +358,6 @@ fn set_state(shard: &mut Shard, id: Id, expires: Tick, state: State) {
         entry.state = state;
         expires
     });
-}
-
-/// Locks a shard. A panic while a shard was locked cannot leave it half-changed (every change
-/// under the lock is a few infallible map operations), so a poisoned lock is taken as is.
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Ties the monotonic clock to the wall clock once, so a deadline reads the same time on

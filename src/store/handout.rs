@@ -9,7 +9,9 @@
 //! Nothing is left waiting: the worker queues before it sends, and the caller it reached
 //! hands out the queue when its answer arrives or, if it went away first, when it is dropped
 //! (after closing its receiver, so the worker either reached it before, or finds it gone and
-//! tries the next caller).
+//! tries the next caller). Nor is anyone left waiting on another runtime's turn: answers the
+//! reached caller has not handed out by the worker's next delivery (its runtime is busy or
+//! stalled) are sent by the worker itself then.
 
 use std::future::Future;
 use std::mem;
@@ -42,9 +44,14 @@ impl<A: Answer> Handout<A> {
     }
 
     /// Called by the worker: queues `answers`, then sends them one by one until a caller is
-    /// reached (who then sends the rest) or none is left.
+    /// reached (who then sends the rest) or none is left. Answers of an earlier delivery still
+    /// queued are sent first, from here.
     pub(crate) fn deliver(&self, answers: impl IntoIterator<Item = A>) {
         let mut queued = self.lock();
+        // Rare: a caller reached a whole delivery ago has not run since.
+        for late in queued.drain(..) {
+            late.send();
+        }
         queued.extend(answers);
         self.any.store(!queued.is_empty(), Ordering::Release);
         while let Some(answer) = queued.pop() {
@@ -203,6 +210,29 @@ mod tests {
         for (value, receiver) in receivers.into_iter().enumerate() {
             assert_eq!(receiver.await.unwrap(), value);
         }
+    }
+
+    #[tokio::test]
+    async fn answers_the_reached_caller_has_not_handed_out_go_with_the_next_delivery() {
+        let handout = Handout::new();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (first, mut first_receivers) = replies(3, &sent);
+        // Reached, but its task does not run (its runtime is busy): it neither polls nor drops.
+        let reached = handout.wait(first_receivers.pop().unwrap());
+        handout.deliver(first);
+        assert_eq!(sent.load(Ordering::Relaxed), 1);
+        let (second, mut second_receivers) = replies(2, &sent);
+        handout.deliver(second);
+        // The first delivery's two others, then one of the second's.
+        assert_eq!(sent.load(Ordering::Relaxed), 4);
+        for (value, receiver) in first_receivers.into_iter().enumerate() {
+            assert_eq!(receiver.await.unwrap(), value);
+        }
+        assert_eq!(reached.await.unwrap(), 2);
+        // Its caller handed out the second delivery's rest.
+        assert_eq!(sent.load(Ordering::Relaxed), 5);
+        assert_eq!(second_receivers.remove(0).await.unwrap(), 0);
+        assert_eq!(second_receivers.remove(0).await.unwrap(), 1);
     }
 
     #[test]

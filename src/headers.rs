@@ -22,6 +22,12 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
 /// requests commonly carry 10 to 20, often more than the response they follow.
 pub(crate) const RESPONSE_FIELDS_ROOM: usize = 16;
 
+/// An empty header map for a response of `fields` fields, with at least
+/// [`RESPONSE_FIELDS_ROOM`].
+pub(crate) fn response_map(fields: usize) -> HeaderMap {
+    HeaderMap::with_capacity(fields.max(RESPONSE_FIELDS_ROOM))
+}
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few

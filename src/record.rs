@@ -264,8 +264,7 @@ impl Completion {
                 let count = bytes.get_u32() as usize;
                 // One more than stored, as a replay adds `Idempotent-Replayed`, and room for
                 // the client's next request, which hyper parses into this map.
-                let room = (count.min(256) + 1).max(crate::headers::RESPONSE_FIELDS_ROOM);
-                let mut headers = HeaderMap::with_capacity(room);
+                let mut headers = crate::headers::response_map(count.min(256) + 1);
                 for _ in 0..count {
                     need(&bytes, 4)?;
                     let n = bytes.get_u32() as usize;

@@ -414,8 +414,7 @@ impl BodyWriter {
         }
         if self.length == BodyLength::Chunked {
             let mut size = Vec::with_capacity(18);
-            push_number(data.len() as u64, 16, &mut size);
-            size.extend_from_slice(b"\r\n");
+            push_chunk_size(data.len(), &mut size);
             self.queue.push_back(Bytes::from(size));
             self.queue.push_back(data);
             self.queue.push_back(Bytes::from_static(b"\r\n"));
@@ -616,11 +615,16 @@ fn push_number(mut n: u64, radix: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(&digits[at..]);
 }
 
+/// A chunk's size line, for a chunk of `len` bytes.
+fn push_chunk_size(len: usize, out: &mut Vec<u8>) {
+    push_number(len as u64, 16, out);
+    out.extend_from_slice(b"\r\n");
+}
+
 /// One body frame's data as it goes on the wire.
 fn encode_data(data: &[u8], length: BodyLength, out: &mut Vec<u8>) {
     if length == BodyLength::Chunked {
-        push_number(data.len() as u64, 16, out);
-        out.extend_from_slice(b"\r\n");
+        push_chunk_size(data.len(), out);
         out.extend_from_slice(data);
         out.extend_from_slice(b"\r\n");
     } else {
@@ -714,8 +718,7 @@ fn parse_head(
     }
     let head = buf.split_to(len).freeze();
     // Room for the client's next request: hyper parses it into this map.
-    let mut headers =
-        HeaderMap::with_capacity(spans.len().max(crate::headers::RESPONSE_FIELDS_ROOM));
+    let mut headers = crate::headers::response_map(spans.len());
     for (name, start, end) in spans.drain(..) {
         let value = HeaderValue::from_maybe_shared(head.slice(start..end))
             .map_err(|_| ClientError::Malformed("bad header value"))?;

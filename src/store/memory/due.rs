@@ -93,9 +93,10 @@ impl Due {
         self.earliest().map(|(filing, _)| filing)
     }
 
-    /// Takes out the earliest filing.
-    pub(super) fn pop(&mut self) -> Option<Filing> {
-        let (filing, place) = self.earliest()?;
+    /// Takes out the earliest filing if it is due by `now`: one look for the sweep's peek and
+    /// take.
+    pub(super) fn pop_due(&mut self, now: Tick) -> Option<Filing> {
+        let (filing, place) = self.earliest().filter(|(filing, _)| filing.at <= now)?;
         match place {
             Place::Run(i) => self.runs[i].pop_front(),
             Place::Rest => self.rest.pop(),
@@ -110,6 +111,12 @@ impl Due {
         self.len = filings.len();
         self.runs = vec![VecDeque::from(filings)];
         self.rest = BinaryHeap::new();
+    }
+
+    /// Takes out the earliest filing.
+    #[cfg(test)]
+    pub(super) fn pop(&mut self) -> Option<Filing> {
+        self.pop_due(Tick(u64::MAX))
     }
 
     /// Every filing, in no order.

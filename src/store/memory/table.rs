@@ -236,13 +236,9 @@ impl<V> Table<V> {
     ) -> Swept {
         let mut count = 0;
         for _ in 0..budget {
-            let Some(filing) = self.due.peek() else {
+            let Some(filing) = self.due.pop_due(now) else {
                 break;
             };
-            if filing.at > now {
-                break;
-            }
-            self.due.pop();
             let expires = match self.slots.get(filing.slot as usize) {
                 Some(Slot::Occupied(row)) if row.filed == filing.at => row.expires,
                 // A leftover: the slot's row is gone or filed elsewhere.

@@ -43,6 +43,12 @@ impl<B> RequestBody<B> {
             },
         }
     }
+
+    /// Whether the layer read this body whole before calling the inner service (a keyed
+    /// request's, read to take its fingerprint) rather than handing on the caller's stream.
+    pub fn is_buffered(&self) -> bool {
+        matches!(self.kind, RequestKind::Buffered { .. })
+    }
 }
 
 impl<B> Body for RequestBody<B>
@@ -280,6 +286,18 @@ mod tests {
             panic!("expected over");
         };
         assert!(head.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_request_body_says_whether_it_was_read_whole() {
+        let streamed = RequestBody::streaming(Full::new(Bytes::from_static(b"abc")));
+        assert!(!streamed.is_buffered());
+        for data in [&b"abc"[..], b""] {
+            let mut held = RequestBody::<Full<Bytes>>::buffered(Bytes::from_static(data));
+            assert!(held.is_buffered());
+            while held.frame().await.is_some() {}
+            assert!(held.is_buffered(), "still held once read");
+        }
     }
 
     #[tokio::test]

@@ -28,6 +28,47 @@ pub(crate) fn response_map(fields: usize) -> HeaderMap {
     HeaderMap::with_capacity(fields.max(RESPONSE_FIELDS_ROOM))
 }
 
+/// A field name as received or stored, as a header name; `None` if it is not a valid one.
+/// The names responses most often carry, spelled in lowercase (as HTTP/2, hyper and the
+/// stored records write them) or capitalised (as most HTTP/1.1 servers do), are matched
+/// byte for byte to http's constants, which is several times cheaper than parsing them:
+/// every replay decodes its record's names, and every upstream response head has its names
+/// read. Any other spelling or name is parsed.
+#[inline]
+pub(crate) fn field_name(bytes: &[u8]) -> Option<HeaderName> {
+    use http::header;
+    let known = match bytes.len() {
+        4 => match bytes {
+            b"date" | b"Date" => Some(header::DATE),
+            b"etag" | b"ETag" | b"Etag" => Some(header::ETAG),
+            b"vary" | b"Vary" => Some(header::VARY),
+            _ => None,
+        },
+        6 => matches!(bytes, b"server" | b"Server").then_some(header::SERVER),
+        8 => matches!(bytes, b"location" | b"Location").then_some(header::LOCATION),
+        10 => match bytes {
+            b"connection" | b"Connection" => Some(header::CONNECTION),
+            b"set-cookie" | b"Set-Cookie" => Some(header::SET_COOKIE),
+            _ => None,
+        },
+        12 => matches!(bytes, b"content-type" | b"Content-Type").then_some(header::CONTENT_TYPE),
+        13 => match bytes {
+            b"cache-control" | b"Cache-Control" => Some(header::CACHE_CONTROL),
+            b"last-modified" | b"Last-Modified" => Some(header::LAST_MODIFIED),
+            _ => None,
+        },
+        14 => {
+            matches!(bytes, b"content-length" | b"Content-Length").then_some(header::CONTENT_LENGTH)
+        }
+        16 => matches!(bytes, b"content-encoding" | b"Content-Encoding")
+            .then_some(header::CONTENT_ENCODING),
+        17 => matches!(bytes, b"transfer-encoding" | b"Transfer-Encoding")
+            .then_some(header::TRANSFER_ENCODING),
+        _ => None,
+    };
+    known.or_else(|| HeaderName::from_bytes(bytes).ok())
+}
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few
@@ -102,6 +143,51 @@ mod tests {
         ] {
             assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
         }
+    }
+
+    #[test]
+    fn field_names_read_as_parsing_them_would() {
+        let names: [&[u8]; 27] = [
+            b"date",
+            b"etag",
+            b"vary",
+            b"server",
+            b"location",
+            b"connection",
+            b"set-cookie",
+            b"content-type",
+            b"cache-control",
+            b"last-modified",
+            b"content-length",
+            b"content-encoding",
+            b"transfer-encoding",
+            b"Content-Type",
+            b"Content-Length",
+            b"Transfer-Encoding",
+            b"ETag",
+            b"Etag",
+            b"Set-Cookie",
+            b"CONTENT-LENGTH",
+            b"Date",
+            b"x-request-id",
+            b"X-Request-Id",
+            b"dat\xc3",
+            b"content type",
+            b"bad name",
+            b"",
+        ];
+        for name in names {
+            assert_eq!(
+                field_name(name),
+                HeaderName::from_bytes(name).ok(),
+                "{}",
+                String::from_utf8_lossy(name)
+            );
+        }
+        assert_eq!(
+            field_name(b"Content-Type"),
+            Some(http::header::CONTENT_TYPE)
+        );
     }
 
     #[test]

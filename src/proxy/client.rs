@@ -710,8 +710,8 @@ fn parse_head(
     spans.clear();
     let mut present = FramingFields::default();
     for field in response.headers.iter() {
-        let name = HeaderName::from_bytes(field.name.as_bytes())
-            .map_err(|_| ClientError::Malformed("bad header name"))?;
+        let name = crate::headers::field_name(field.name.as_bytes())
+            .ok_or(ClientError::Malformed("bad header name"))?;
         present.note(&name);
         let start = field.value.as_ptr() as usize - base;
         spans.push((name, start, start + field.value.len()));

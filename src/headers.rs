@@ -34,7 +34,6 @@ pub(crate) fn response_map(fields: usize) -> HeaderMap {
 /// byte for byte to http's constants, which is several times cheaper than parsing them:
 /// every replay decodes its record's names, and every upstream response head has its names
 /// read. Any other spelling or name is parsed.
-#[inline]
 pub(crate) fn field_name(bytes: &[u8]) -> Option<HeaderName> {
     use http::header;
     let known = match bytes.len() {

@@ -128,7 +128,6 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (mut parts, body) = req.into_parts();
-    let held = body.is_buffered();
     let client_version = parts.version;
     let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
         // Only a target that cannot be joined to the base path gets here; nothing was sent.
@@ -143,7 +142,7 @@ where
     };
     parts.uri = Uri::from(target);
 
-    if held {
+    if body.is_buffered() {
         // A request the layer held (read whole, hashed, claimed) goes upstream at the end of
         // the runtime's turn, after the other requests that are ready have had their turn:
         // under load their upstream writes leave together, so an upstream on the same host

@@ -42,6 +42,21 @@ fn shipped_configs_pass_check_config() {
     }
 }
 
+/// The parser's message comes once, after the file's name, not again as its own cause.
+#[test]
+fn a_config_that_does_not_parse_is_told_once() {
+    let dir = TempDir::new();
+    let path = dir.write(
+        "idemgate.toml",
+        "upstream = \"http://127.0.0.1:3000\"\nlissten = 1\n",
+    );
+    let out = run(&["--check-config", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("config file "), "{err}");
+    assert_eq!(err.matches("unknown field `lissten`").count(), 1, "{err}");
+}
+
 #[test]
 fn bad_configs_exit_non_zero_naming_the_field() {
     let dir = TempDir::new();

@@ -151,14 +151,7 @@ esac
 # --- idemgate, one per store -------------------------------------------------------------------
 # New keys expire after RECORD_TTL (bounded memory at any rate); the 16 replayed keys live
 # under their own route for the whole run, so every measured replay finds its record.
-cat >"$TMP/idemgate.toml" <<EOF
-upstream = "http://$UPSTREAM"
-ttl = "$RECORD_TTL"
-
-[[routes]]
-prefix = "/replay"
-ttl = "1h"
-EOF
+write_gateway_config "$RECORD_TTL"
 declare -A GATEWAY GATEWAY_PID
 for store in $STORES; do
     case $store in

@@ -88,14 +88,7 @@ stop_pid "$FLOOR_PID"
 
 # --- idemgate, memory store ----------------------------------------------------------------
 start_upstream "$SERVER_CPU"
-cat >"$TMP/idemgate.toml" <<EOF
-upstream = "http://$UPSTREAM"
-ttl = "5s"
-
-[[routes]]
-prefix = "/replay"
-ttl = "1h"
-EOF
+write_gateway_config 5s
 
 # Requests idemgate has answered so far, from its admin endpoint.
 answered() {

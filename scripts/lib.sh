@@ -72,6 +72,20 @@ start_upstream() {
     UPSTREAM=$(wait_line "$TMP/upstream.out" '^[0-9.]+:[0-9]+$' "the upstream")
 }
 
+# Writes the gateway's configuration for the load scripts to $TMP/idemgate.toml: the upstream
+# start_upstream started, records of new keys living $1, and the replayed keys under a route
+# of their own (/replay, ttl 1 h) so every measured replay finds its record.
+write_gateway_config() {
+    cat >"$TMP/idemgate.toml" <<EOF
+upstream = "http://$UPSTREAM"
+ttl = "$1"
+
+[[routes]]
+prefix = "/replay"
+ttl = "1h"
+EOF
+}
+
 # Resident memory of process $1, in KiB.
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 

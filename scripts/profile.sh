@@ -53,14 +53,7 @@ need_tools perf:linux-perf wrk:wrk taskset:util-linux
 
 build_release
 start_upstream "$SERVER_CPU"
-cat >"$TMP/idemgate.toml" <<EOF
-upstream = "http://$UPSTREAM"
-ttl = "$RECORD_TTL"
-
-[[routes]]
-prefix = "/replay"
-ttl = "1h"
-EOF
+write_gateway_config "$RECORD_TTL"
 IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --config "$TMP/idemgate.toml" \
     --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store memory >"$TMP/idemgate.out" 2>&1 &
 PIDS+=($!); GATEWAY_PID=$!

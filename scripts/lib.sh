@@ -1,4 +1,6 @@
-# Helpers shared by the benchmark scripts (bench.sh, soak.sh, instructions.sh); sourced, not run.
+# shellcheck shell=bash
+# Helpers shared by the benchmark scripts (bench.sh, soak.sh, instructions.sh, profile.sh);
+# sourced, not run.
 # The sourcing script sets NAME (its prefix in messages) first.
 
 log() { printf '%s: %s\n' "$NAME" "$*" >&2; }

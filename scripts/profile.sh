@@ -68,7 +68,7 @@ ticks() { awk '{print $14, $15}' "/proc/$GATEWAY_PID/stat"; }
 
 mkdir -p "$OUT"
 RECORD=(perf record -q -F "$FREQUENCY" -p "$GATEWAY_PID" -o "$OUT/perf.data")
-[ "$CALL_GRAPH" = 1 ] && RECORD+=(--call-graph dwarf,8192)
+[ "$CALL_GRAPH" = 1 ] && RECORD+=(--call-graph "dwarf,8192")
 read -r user0 sys0 < <(ticks)
 "${RECORD[@]}" -- sleep "$DURATION" >"$TMP/perf.out" 2>&1 &
 PIDS+=($!); PERF_PID=$!

@@ -184,7 +184,7 @@ for store in $STORES; do
 done
 
 # CPU ticks (user + system) a process has used so far.
-cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
+busy_ticks() { cpu_ticks "$1" | awk '{print $1 + $2}'; }
 TCK=$(getconf CLK_TCK)
 
 # Converts wrk's "1.23ms" / "456.00us" / "1.01s" to milliseconds.
@@ -208,10 +208,10 @@ settle() {
     local pid total before after
     for _ in $(seq 1 $((SETTLE_MAX * 2))); do
         before=0
-        for pid in $SERVER_PIDS; do before=$((before + $(cpu_ticks "$pid"))); done
+        for pid in $SERVER_PIDS; do before=$((before + $(busy_ticks "$pid"))); done
         sleep 0.5
         after=0
-        for pid in $SERVER_PIDS; do after=$((after + $(cpu_ticks "$pid"))); done
+        for pid in $SERVER_PIDS; do after=$((after + $(busy_ticks "$pid"))); done
         total=$((after - before))
         # Under 4 % of a core over the half second.
         if [ $((total * 100 * 2)) -le $((TCK * 4)) ]; then return 0; fi
@@ -226,10 +226,10 @@ run_case() {
     IFS='|' read -r name label url script pid <<<"$spec"
     settle
     local before after out
-    before=$(cpu_ticks "$pid")
+    before=$(busy_ticks "$pid")
     out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \
         -s "$ROOT/scripts/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
-    after=$(cpu_ticks "$pid")
+    after=$(busy_ticks "$pid")
     [ -n "$record" ] || return 0
     local rps p50 p99 total errors cpu_us rss
     rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')

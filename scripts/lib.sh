@@ -88,6 +88,10 @@ ttl = "1h"
 EOF
 }
 
+# User and system CPU time of process $1 so far, in clock ticks, as "USER SYSTEM" (fields 14
+# and 15 of its stat, counted after the command name, which may hold spaces).
+cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12, $13}'; }
+
 # Resident memory of process $1, in KiB.
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
 

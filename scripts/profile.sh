@@ -63,19 +63,16 @@ LOAD=(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -s "$ROOT/scripts
 log "$CASE on $GATEWAY: ${WARMUP}s of warm-up, then ${DURATION}s sampled"
 "${LOAD[@]}" -d"${WARMUP}s" "http://$GATEWAY$path" -- "warm$RANDOM" >/dev/null
 
-# User and system clock ticks of the gateway so far.
-ticks() { awk '{print $14, $15}' "/proc/$GATEWAY_PID/stat"; }
-
 mkdir -p "$OUT"
 RECORD=(perf record -q -F "$FREQUENCY" -p "$GATEWAY_PID" -o "$OUT/perf.data")
 [ "$CALL_GRAPH" = 1 ] && RECORD+=(--call-graph "dwarf,8192")
-read -r user0 sys0 < <(ticks)
+read -r user0 sys0 < <(cpu_ticks "$GATEWAY_PID")
 "${RECORD[@]}" -- sleep "$DURATION" >"$TMP/perf.out" 2>&1 &
 PIDS+=($!); PERF_PID=$!
 "${LOAD[@]}" -d"${DURATION}s" "http://$GATEWAY$path" -- "run$RANDOM" >"$TMP/wrk.out"
 wait "$PERF_PID" || { cat "$TMP/perf.out" >&2; die "perf record failed"; }
 forget_pid "$PERF_PID"
-read -r user1 sys1 < <(ticks)
+read -r user1 sys1 < <(cpu_ticks "$GATEWAY_PID")
 
 requests=$(awk '/requests in/ {print $1}' "$TMP/wrk.out")
 [ "${requests:-0}" -gt 0 ] || die "wrk completed no requests"

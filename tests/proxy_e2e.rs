@@ -363,18 +363,20 @@ async fn fifty_concurrent_requests_with_one_key_execute_once() {
     assert!(after.replayed());
 }
 
+/// Sends a raw request, waits until the upstream has it, and hangs up before the answer.
+async fn hang_up_once_forwarded(s: &Setup, request: &str, path: &str) {
+    let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
+        .await
+        .unwrap();
+    s.upstream.wait_for_hit(path).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
     let s = setup().await;
     let request = "POST /hangup HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-hang\r\nX-Delay-Ms: 500\r\nContent-Length: 4\r\n\r\nbody";
-    {
-        let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
-        tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
-            .await
-            .unwrap();
-        s.upstream.wait_for_hit("/hangup").await;
-        // The client goes away before the answer.
-    }
+    hang_up_once_forwarded(&s, request, "/hangup").await;
     let replay = eventually(100, || async {
         let r = send("POST", &s.gw.url("/hangup"), &[key("k-hang")], "body").await;
         (r.status != 409).then_some(r)
@@ -405,6 +407,29 @@ async fn a_client_that_hangs_up_mid_request_gets_the_replay_on_retry() {
             .any(|l| l.contains("request abandoned") && l.contains("path=/hangup")),
         "{logs}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_hangs_up_on_a_pass_through_cancels_its_upstream_call() {
+    let s = setup().await;
+    // No key: passed through. The upstream would answer after 3 s.
+    let request =
+        "POST /gone HTTP/1.1\r\nHost: x\r\nX-Delay-Ms: 3000\r\nContent-Length: 4\r\n\r\nbody";
+    hang_up_once_forwarded(&s, request, "/gone").await;
+    // Noticed when the client goes, not when the upstream answers: counted as abandoned
+    // within 2 s of the hang-up.
+    let counted = eventually(40, || async {
+        let metrics = admin_get(&s.gw, "/metrics", &[]).await.text();
+        metrics
+            .contains("\nidemgate_requests_abandoned_total 1\n")
+            .then_some(())
+    })
+    .await;
+    assert!(counted.is_some(), "{}", s.gw.logs());
+    // The upstream call went with it: the upstream never finished that request.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(s.upstream.hits("/gone"), 1);
+    assert_eq!(s.upstream.finished(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,5 +1,6 @@
 //! The client-connection watchdog: closes a connection that is too slow to send a request
-//! head, or quiet for too long.
+//! head, or quiet for too long; and the client's stream, which also tells when a client has
+//! hung up on a request in progress.
 //!
 //! I/O and the front service only set flags and counters on a connection's [`Activity`]; the
 //! watchdog reads the clock a few times per allowed period and decides ([`Watchdog::look`]).
@@ -8,8 +9,8 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -50,6 +51,12 @@ impl Activity {
             self.http2.store(true, Ordering::Relaxed);
         }
         InFlight(Arc::clone(self))
+    }
+
+    /// Whether an HTTP/1.1 request waits for its response: the time a client's hang-up is
+    /// looked for (see `server::serve_connection`).
+    pub(super) fn awaits_http1_response(&self) -> bool {
+        self.open.load(Ordering::Relaxed) > 0 && !self.http2.load(Ordering::Relaxed)
     }
 
     /// What happened since the last look; clears the flags of what happened.
@@ -210,15 +217,45 @@ impl Watchdog {
     }
 }
 
+/// A client's TCP stream, shared by hyper's reads and writes (through [`ActivityIo`]) and the
+/// connection task's hang-up check ([`ClientStream::poll_hung_up`]). Both run in that one
+/// task, one after the other, so the lock is never contended.
+#[derive(Clone)]
+pub(super) struct ClientStream(Arc<Mutex<TcpStream>>);
+
+impl ClientStream {
+    pub(super) fn new(stream: TcpStream) -> Self {
+        Self(Arc::new(Mutex::new(stream)))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, TcpStream> {
+        // Only socket calls run under the lock; a panic there leaves nothing half-changed.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the client has gone: it closed its side of the connection, or reset it.
+    /// `false` while nothing has come from it (the task is then woken when something does),
+    /// and while bytes wait to be read (the rest of a request body, or a pipelined request:
+    /// hyper reads those in its own time, and nothing can be told until it has).
+    pub(super) fn poll_hung_up(&self, cx: &mut Context<'_>) -> bool {
+        let mut byte = [0u8; 1];
+        let mut peeked = ReadBuf::new(&mut byte);
+        match self.lock().poll_peek(cx, &mut peeked) {
+            Poll::Ready(Ok(0) | Err(_)) => true,
+            Poll::Ready(Ok(_)) | Poll::Pending => false,
+        }
+    }
+}
+
 /// A client TCP stream that records its traffic on the connection's [`Activity`].
 pub(super) struct ActivityIo {
-    inner: TcpStream,
+    stream: ClientStream,
     activity: Arc<Activity>,
 }
 
 impl ActivityIo {
-    pub(super) fn new(inner: TcpStream, activity: Arc<Activity>) -> Self {
-        Self { inner, activity }
+    pub(super) fn new(stream: ClientStream, activity: Arc<Activity>) -> Self {
+        Self { stream, activity }
     }
 
     fn wrote(&self, result: &Poll<io::Result<usize>>) {
@@ -235,11 +272,10 @@ impl AsyncRead for ActivityIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
         let before = buf.filled().len();
-        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let result = Pin::new(&mut *self.stream.lock()).poll_read(cx, buf);
         if buf.filled().len() > before {
-            this.activity.moved.store(true, Ordering::Relaxed);
+            self.activity.moved.store(true, Ordering::Relaxed);
         }
         result
     }
@@ -251,9 +287,8 @@ impl AsyncWrite for ActivityIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.inner).poll_write(cx, buf);
-        this.wrote(&result);
+        let result = Pin::new(&mut *self.stream.lock()).poll_write(cx, buf);
+        self.wrote(&result);
         result
     }
 
@@ -262,22 +297,21 @@ impl AsyncWrite for ActivityIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let result = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        this.wrote(&result);
+        let result = Pin::new(&mut *self.stream.lock()).poll_write_vectored(cx, bufs);
+        self.wrote(&result);
         result
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        self.stream.lock().is_write_vectored()
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        Pin::new(&mut *self.stream.lock()).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        Pin::new(&mut *self.stream.lock()).poll_shutdown(cx)
     }
 }
 

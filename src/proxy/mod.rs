@@ -15,11 +15,13 @@
 //! - `watchdog`: closes client connections too slow to send a head, or idle too long.
 //! - [`admin`]: health, readiness, metrics and the record endpoints.
 //! - [`metrics`]: counters, histograms and the instrumented store.
+//! - [`logging`]: the log lines on standard error, written in batches.
 
 pub mod admin;
 pub mod client;
 pub mod config;
 pub mod forward;
+pub mod logging;
 pub mod metrics;
 pub mod pool;
 pub mod server;
@@ -104,9 +106,16 @@ impl Cli {
 /// Runs the command line: checks the configuration, or runs the gateway until SIGTERM or
 /// SIGINT. Errors are written to standard error and give a failing exit code.
 pub fn run_cli(cli: &Cli) -> ExitCode {
+    let exit = run_logged(cli);
+    logging::STDERR.flush();
+    exit
+}
+
+fn run_logged(cli: &Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref(), &cli.overrides()) {
         Ok(settings) => settings,
         Err(error) => {
+            logging::STDERR.flush();
             eprintln!("idemgate: invalid configuration: {}", ErrorChain(&error));
             return ExitCode::from(2);
         }
@@ -126,26 +135,35 @@ pub fn run_cli(cli: &Cli) -> ExitCode {
     // runtime serves the same load with fewer thread wake-ups: in the load benchmark it used
     // about a fifth less CPU per request than a one-worker multi-threaded runtime.
     let one_core = std::thread::available_parallelism().is_ok_and(|n| n.get() == 1);
-    let runtime = if one_core {
+    let mut runtime = if one_core {
         tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
     } else {
         tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
     };
+    // A thread out of work writes the log lines gathered so far (see `logging`).
+    let runtime = runtime
+        .enable_all()
+        .on_thread_park(|| logging::STDERR.flush())
+        .build();
     let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
+            logging::STDERR.flush();
             eprintln!("idemgate: cannot start the async runtime: {error}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(async { server::run(settings, shutdown_signal()).await }) {
+    let served = runtime.block_on(async {
+        let flusher = tokio::spawn(logging::flush_periodically(&logging::STDERR));
+        let served = server::run(settings, shutdown_signal()).await;
+        flusher.abort();
+        served
+    });
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!(error = %ErrorChain(&error), "idemgate could not start");
+            logging::STDERR.flush();
             eprintln!("idemgate: {}", ErrorChain(&error));
             ExitCode::FAILURE
         }

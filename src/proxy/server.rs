@@ -193,6 +193,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         })?;
     // A fixed, parseable line for scripts and tests (the log format may be JSON); only
     // messages from opening the store (a redb file's migration) can come before it.
+    super::logging::STDERR.flush();
     eprintln!("idemgate listening on {proxy_addr} admin {admin_addr}");
     tracing::info!(
         listen = %proxy_addr,

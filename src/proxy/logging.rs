@@ -2,7 +2,7 @@
 //! written in batches.
 //!
 //! At the default `info` level every keyed request writes a line, and a `write` of its own
-//! per line cost a replay about a quarter of its throughput (see BENCHMARKS.md). Lines gather
+//! per line cost replays about a tenth of their throughput (see BENCHMARKS.md). Lines gather
 //! in [`STDERR`] instead and go out in one `write` when the batch reaches
 //! [`BATCH_BYTES`], when a runtime thread runs out of work, every [`BATCH_AGE`] on a
 //! runtime too busy to run out, before anything else is printed to standard error, at exit

@@ -106,12 +106,12 @@ impl Cli {
 /// Runs the command line: checks the configuration, or runs the gateway until SIGTERM or
 /// SIGINT. Errors are written to standard error and give a failing exit code.
 pub fn run_cli(cli: &Cli) -> ExitCode {
-    let exit = run_logged(cli);
+    let exit = check_or_serve(cli);
     logging::STDERR.flush();
     exit
 }
 
-fn run_logged(cli: &Cli) -> ExitCode {
+fn check_or_serve(cli: &Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref(), &cli.overrides()) {
         Ok(settings) => settings,
         Err(error) => {

@@ -438,7 +438,10 @@ async fn serve_connection<S, B>(
             // the request: a pass-through call is cancelled, a keyed request's work goes on
             // and keeps its response for the retry. (hyper, set to allow half-closed
             // connections, does not read until the response is written; an HTTP/2 client
-            // resets its stream instead.) Looked for while the response is not ready yet.
+            // resets its stream instead.) Looked for while the response is not ready yet. A
+            // client that closes only its sending side after its request counts as gone too,
+            // as it did with hyper's own look; so does one that pipelined more requests before
+            // closing it, none of which is answered (hyper's look answered the first).
             if activity.awaits_http1_response() && stream.poll_hung_up(cx) {
                 tracing::debug!("client hung up with a request in progress");
                 return Poll::Ready(Ok(()));

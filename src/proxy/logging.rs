@@ -10,7 +10,7 @@
 //! last [`BATCH_AGE`].
 
 use std::io::{self, IsTerminal, Write};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
@@ -50,7 +50,7 @@ impl LogBatch {
     fn lock(&self) -> MutexGuard<'_, Vec<u8>> {
         // The lock only ever guards appending bytes and writing them out: a panic there
         // leaves whole lines or none.
-        self.lines.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::lock::lock(&self.lines)
     }
 }
 

@@ -10,7 +10,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -230,7 +230,7 @@ impl ClientStream {
 
     fn lock(&self) -> MutexGuard<'_, TcpStream> {
         // Only socket calls run under the lock; a panic there leaves nothing half-changed.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::lock::lock(&self.0)
     }
 
     /// Whether the client has gone: it closed its side of the connection, or reset it.

@@ -24,9 +24,7 @@ pub const BATCH_BYTES: usize = 32 * 1024;
 pub const BATCH_AGE: Duration = Duration::from_millis(100);
 
 /// Standard error, with log lines batched.
-pub static STDERR: LogBatch = LogBatch {
-    lines: Mutex::new(Vec::new()),
-};
+pub static STDERR: LogBatch = LogBatch::empty();
 
 /// Log lines not written yet; see the module documentation.
 pub struct LogBatch {
@@ -34,6 +32,12 @@ pub struct LogBatch {
 }
 
 impl LogBatch {
+    const fn empty() -> Self {
+        Self {
+            lines: Mutex::new(Vec::new()),
+        }
+    }
+
     /// Writes the lines gathered so far.
     pub fn flush(&self) {
         write_out(&mut self.lock());
@@ -125,9 +129,7 @@ mod tests {
 
     #[test]
     fn lines_gather_until_the_batch_is_full() {
-        let batch = LogBatch {
-            lines: Mutex::new(Vec::new()),
-        };
+        let batch = LogBatch::empty();
         let line = [b'x'; 100];
         LineWriter(&batch).write_all(&line).unwrap();
         assert_eq!(batch.lock().len(), 100, "a line waits in the batch");
@@ -142,9 +144,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_line_waits_at_most_the_batch_age() {
-        static BATCH: LogBatch = LogBatch {
-            lines: Mutex::new(Vec::new()),
-        };
+        static BATCH: LogBatch = LogBatch::empty();
         let flusher = tokio::spawn(flush_periodically(&BATCH));
         // The interval's first tick is at once; the line comes after it.
         tokio::task::yield_now().await;

@@ -13,6 +13,7 @@
 //! | `request-body-error` | 400 | the request body could not be read |
 //! | `request-too-large` | 413 | the body of a keyed request is over `max_request_bytes` |
 //! | `headers-too-large` | 431 | (proxy) more header fields than `max_headers`, or a header block over `max_header_bytes` |
+//! | `unsupported-transfer-coding` | 501 | (proxy) a request body sent with a transfer coding other than `chunked` alone (`Transfer-Encoding: gzip, chunked`); nothing forwarded |
 //! | `key-mismatch` | 422 (configurable) | the key was used before with a different request |
 //! | `request-in-flight` | 409 + `Retry-After` | the same request is running now |
 //! | `response-not-replayable` | 409 | the request ran, but its response was over `max_response_bytes` and was not kept |
@@ -64,6 +65,8 @@ pub enum ProblemKind {
     RequestTooLarge,
     /// `431 headers-too-large` (proxy).
     HeadersTooLarge,
+    /// `501 unsupported-transfer-coding` (proxy).
+    UnsupportedTransferCoding,
     /// `422 key-mismatch` (status configurable per route).
     KeyMismatch,
     /// `409 request-in-flight`.
@@ -103,6 +106,7 @@ impl ProblemKind {
             ProblemKind::RequestBodyError => "request-body-error",
             ProblemKind::RequestTooLarge => "request-too-large",
             ProblemKind::HeadersTooLarge => "headers-too-large",
+            ProblemKind::UnsupportedTransferCoding => "unsupported-transfer-coding",
             ProblemKind::KeyMismatch => "key-mismatch",
             ProblemKind::RequestInFlight => "request-in-flight",
             ProblemKind::ResponseNotReplayable => "response-not-replayable",
@@ -128,6 +132,7 @@ impl ProblemKind {
             ProblemKind::RequestBodyError => "Request body could not be read",
             ProblemKind::RequestTooLarge => "Request body too large for an idempotent request",
             ProblemKind::HeadersTooLarge => "Request header fields too large",
+            ProblemKind::UnsupportedTransferCoding => "Transfer coding not supported",
             ProblemKind::KeyMismatch => "Idempotency key reused with a different request",
             ProblemKind::RequestInFlight => "A request with this idempotency key is in progress",
             ProblemKind::ResponseNotReplayable => "Original response too large to replay",
@@ -169,6 +174,7 @@ impl ProblemKind {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemKind::UnsupportedTransferCoding => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }
@@ -246,6 +252,15 @@ impl Problem {
             format!(
                 "the request's header block is about {bytes} bytes; at most {limit} are accepted"
             ),
+        )
+    }
+
+    /// `501 unsupported-transfer-coding`: a request body sent with a transfer coding other
+    /// than `chunked` alone.
+    pub fn unsupported_transfer_coding() -> Self {
+        Self::new(
+            ProblemKind::UnsupportedTransferCoding,
+            "only the chunked transfer coding is accepted; nothing was forwarded",
         )
     }
 

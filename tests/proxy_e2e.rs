@@ -1285,6 +1285,44 @@ async fn requests_over_the_header_limits_get_a_431_problem() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_with_a_transfer_coding_other_than_chunked_gets_a_501_problem() {
+    let s = setup().await;
+    // The HTTP layer takes the chunked framing off; the gzip coding under it would go
+    // upstream unannounced. Keyed or not, nothing is forwarded and no key is claimed.
+    for (path, key_field) in [
+        ("/te-plain", ""),
+        ("/te-keyed", "Idempotency-Key: k-te\r\n"),
+    ] {
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\n{key_field}Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        );
+        let answer = raw(s.gw.addr, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+        assert!(answer.contains("application/problem+json"), "{answer}");
+        assert!(
+            answer.contains("urn:idemgate:problem:unsupported-transfer-coding"),
+            "{answer}"
+        );
+        assert_eq!(s.upstream.hits(path), 0, "{path} was forwarded");
+    }
+    // The key was never claimed: the same key with a plain body runs.
+    let plain = send("POST", &s.gw.url("/te-keyed"), &[key("k-te")], "hello").await;
+    assert_eq!(plain.status, 201);
+    assert_eq!(s.upstream.hits("/te-keyed"), 1);
+    let counted = eventually(100, || async {
+        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
+        text.contains("\nidemgate_unrouted_requests_total{reason=\"unsupported\"} 2\n")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        counted.is_some(),
+        "{}",
+        admin_get(&s.gw, "/metrics", &[]).await.text()
+    );
+}
+
 // ---- operating it -------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1305,6 +1343,7 @@ async fn admin_health_readiness_metrics_and_token() {
         "idemgate_store_errors_total 0\n",
         "idemgate_unrouted_requests_total{reason=\"malformed\"} 0\n",
         "idemgate_unrouted_requests_total{reason=\"too_large\"} 0\n",
+        "idemgate_unrouted_requests_total{reason=\"unsupported\"} 0\n",
         "idemgate_fenced_completions_total 0\n",
         "idemgate_records_in_flight 0\n",
     ] {

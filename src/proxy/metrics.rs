@@ -103,16 +103,19 @@ pub enum UnroutedReason {
     /// Header fields past the limits (`431`), or a request target too long for the HTTP
     /// layer (`414`).
     TooLarge,
+    /// A body sent with a transfer coding other than `chunked` alone (`501`).
+    Unsupported,
 }
 
 impl UnroutedReason {
-    const ALL: [Self; 2] = [Self::Malformed, Self::TooLarge];
+    const ALL: [Self; 3] = [Self::Malformed, Self::TooLarge, Self::Unsupported];
 
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Malformed => "malformed",
             Self::TooLarge => "too_large",
+            Self::Unsupported => "unsupported",
         }
     }
 }

@@ -515,8 +515,8 @@ async fn serve_connection<S, B>(
     }
 }
 
-/// The outermost per-connection service: refuses a request over the header limits, and logs
-/// and counts what the layer decided.
+/// The outermost per-connection service: refuses a request over the header limits or framed
+/// with a transfer coding it cannot forward, and logs and counts what the layer decided.
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
@@ -560,6 +560,23 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
         .then(|| Problem::header_block_too_large(block, limits.max_header_bytes))
 }
 
+/// `501 unsupported-transfer-coding` for a request whose `Transfer-Encoding` is anything but
+/// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
+/// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
+fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
+    let mut codings = req
+        .headers()
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+        .map(<[u8]>::trim_ascii)
+        // A list may hold empty elements (RFC 9110 §5.6.1).
+        .filter(|coding| !coding.is_empty());
+    let first = codings.next()?;
+    let chunked_alone = first.eq_ignore_ascii_case(b"chunked") && codings.next().is_none();
+    (!chunked_alone).then(Problem::unsupported_transfer_coding)
+}
+
 impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
 where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -574,7 +591,11 @@ where
     type Future = FrontFuture<S::Future, B>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
-        let refused = over_header_limits(&req, &self.limits);
+        let refused = match over_header_limits(&req, &self.limits) {
+            Some(problem) => Some((problem, UnroutedReason::TooLarge)),
+            None => unsupported_transfer_coding(&req)
+                .map(|problem| (problem, UnroutedReason::Unsupported)),
+        };
         let log = RequestLog {
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
@@ -587,9 +608,8 @@ where
             written: false,
             _in_flight: self.activity.request_started(req.version()),
         };
-        if let Some(problem) = refused {
-            self.metrics
-                .count_unrouted_request(UnroutedReason::TooLarge);
+        if let Some((problem, reason)) = refused {
+            self.metrics.count_unrouted_request(reason);
             let response = problem.into_response().map(B::problem);
             return FrontFuture {
                 call: Call::Refused {
@@ -784,5 +804,51 @@ async fn admin_loop(
                 tracing::debug!(%error, "admin connection ended with an error");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn framed_with(fields: &[&str]) -> Request<()> {
+        let mut req = Request::new(());
+        for field in fields {
+            req.headers_mut().append(
+                http::header::TRANSFER_ENCODING,
+                http::HeaderValue::from_str(field).unwrap(),
+            );
+        }
+        req
+    }
+
+    #[test]
+    fn only_chunked_alone_is_a_transfer_coding_the_proxy_forwards() {
+        for fields in [
+            &[][..],
+            &["chunked"],
+            &["Chunked"],
+            &[" chunked ,"],
+            &["", "chunked"],
+        ] {
+            assert!(
+                unsupported_transfer_coding(&framed_with(fields)).is_none(),
+                "{fields:?}"
+            );
+        }
+        for fields in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["identity"],
+            &["chunked;ext=1"],
+        ] {
+            let problem = unsupported_transfer_coding(&framed_with(fields));
+            assert_eq!(
+                problem.map(|p| p.status()),
+                Some(http::StatusCode::NOT_IMPLEMENTED),
+                "{fields:?}"
+            );
+        }
     }
 }

@@ -12,6 +12,8 @@ use crate::store::Store;
 
 /// Default bound on every store call; past it a keyed request gets `503`.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default bound on a keyed request's run of the inner service; past it → `504`.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Adds idempotency-key handling to a service.
 ///
@@ -112,6 +114,8 @@ pub(crate) struct Shared {
     routes: Vec<(String, Arc<Route>)>,
     default_route: Arc<Route>,
     pub(crate) store_timeout: Duration,
+    /// Bound on a claimed request's run of the inner service, if any.
+    pub(crate) upstream_timeout: Option<Duration>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) stats: Arc<LayerStats>,
 }
@@ -140,6 +144,7 @@ impl IdempotencyLayer {
                 routes: Vec::new(),
                 default_route: Route::new(RoutePolicy::api()),
                 store_timeout: DEFAULT_STORE_TIMEOUT,
+                upstream_timeout: Some(DEFAULT_UPSTREAM_TIMEOUT),
                 on_store_error: OnStoreError::Reject,
                 stats: Arc::default(),
             }),
@@ -177,6 +182,18 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.shared_mut().store_timeout = timeout;
+        self
+    }
+
+    /// Bound on a keyed request's run of the inner service, from the call until the response
+    /// the route keeps has been read whole (default 60 s). Past it the call is dropped, the
+    /// client gets `504 upstream-timeout` and the route's `unknown_outcome` applies, so a
+    /// service that never answers cannot hold a key for ever. `None` leaves the run unbounded,
+    /// for an inner service that bounds its own waits (the proxy's forwarder does). Requests
+    /// that pass through are never bounded here.
+    #[must_use]
+    pub fn upstream_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.shared_mut().upstream_timeout = timeout.into();
         self
     }
 

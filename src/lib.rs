@@ -37,7 +37,7 @@ pub mod store;
 
 pub(crate) use error_chain::ErrorChain;
 pub use future::ResponseFuture;
-pub use layer::{DEFAULT_STORE_TIMEOUT, IdempotencyLayer, LayerStats};
+pub use layer::{DEFAULT_STORE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, IdempotencyLayer, LayerStats};
 pub use policy::{OnStoreError, RoutePolicy};
 pub use response::{Decision, Outcome};
 pub use service::IdempotencyService;

@@ -392,13 +392,16 @@ impl Keyed {
         ResB::Error: Into<BoxError> + Send,
     {
         let policy = &self.route.policy;
+        let deadline =
+            (self.shared.upstream_timeout).map(|after| tokio::time::Instant::now() + after);
 
-        let response = match call(inner, req).await {
-            Ok(response) => response,
-            Err(error) => {
+        let response = match within(deadline, call(inner, req)).await {
+            Some(Ok(response)) => response,
+            Some(Err(error)) => {
                 self.outcome_unknown(token).await;
                 return Err(error);
             }
+            None => return Ok(self.timed_out(token).await),
         };
         if let Some(&failure) = response.extensions().get::<UpstreamFailure>() {
             match failure {
@@ -414,7 +417,11 @@ impl Keyed {
         }
 
         let (parts, body) = response.into_parts();
-        match read_capped(body, policy.max_response_bytes).await {
+        let Some(body) = within(deadline, read_capped(body, policy.max_response_bytes)).await
+        else {
+            return Ok(self.timed_out(token).await);
+        };
+        match body {
             Ok(body) => {
                 let stored = StoredResponse {
                     status: parts.status,
@@ -433,6 +440,16 @@ impl Keyed {
             }
             Err(Capped::Over { head, rest }) => Ok(self.relay_too_large(token, parts, head, rest)),
         }
+    }
+
+    /// The inner service did not answer (or finish a response the route keeps) within the
+    /// upstream timeout: its call is dropped and the outcome is unknown.
+    async fn timed_out<B>(&self, token: OwnerToken) -> Response<ResponseBody<B>> {
+        // Only a run with a bound can time out.
+        let after = self.shared.upstream_timeout.unwrap_or_default();
+        tracing::warn!(record = %self.record.short(), after_ms = after.as_millis(), "inner service did not answer in time; call dropped");
+        self.outcome_unknown(token).await;
+        self.problem(Problem::upstream_timeout(after), Decision::UpstreamFailed)
     }
 
     /// Delivers a response over `max_response_bytes` whole while keeping only its status and
@@ -646,6 +663,14 @@ where
     S: Service<R, Response = Response<B>>,
 {
     inner.call(req).await.map(without_owned_headers)
+}
+
+/// Runs `work` until `deadline`, if there is one; `None` when the time ran out first.
+async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Option<F::Output> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, work).await.ok(),
+        None => Some(work.await),
+    }
 }
 
 /// Removes the headers only idemgate may set from an inner service's response.

@@ -802,6 +802,108 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
 }
 
 #[tokio::test]
+async fn a_service_that_never_answers_is_cut_at_the_upstream_timeout() {
+    // The gate is never opened: the inner service hangs.
+    let up = Arc::new(Upstream {
+        gate: Some(Arc::new(Notify::new())),
+        ..Default::default()
+    });
+    let api = memory_layer().upstream_timeout(Duration::from_millis(200));
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        send(&api, &up, post(Some("k"), "{}")),
+    )
+    .await
+    .expect("cut at the upstream timeout");
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        first.problem_type(),
+        "urn:idemgate:problem:upstream-timeout"
+    );
+    assert_eq!(first.decision, Decision::UpstreamFailed);
+    // The outcome is unknown: under `api` the key is ambiguous, never run again on its own.
+    let retry = send(&api, &up, post(Some("k"), "{}")).await;
+    assert_eq!(retry.problem_type(), "urn:idemgate:problem:outcome-unknown");
+    assert_eq!(up.calls(), 1);
+    // Under `webhook` the retry runs it again.
+    let hooks = memory_layer()
+        .default_route(RoutePolicy::webhook())
+        .upstream_timeout(Duration::from_millis(200));
+    send(&hooks, &up, post(Some("k"), "{}")).await;
+    send(&hooks, &up, post(Some("k"), "{}")).await;
+    assert_eq!(up.calls(), 3);
+}
+
+/// A response body that sends one frame, then nothing more, for ever.
+struct StallingBody {
+    sent: bool,
+}
+
+impl http_body::Body for StallingBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if std::mem::replace(&mut self.sent, true) {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+                b"{\"partial\":",
+            )))))
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_kept_response_that_stops_arriving_is_cut_at_the_upstream_timeout() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let stalling = service_fn(move |_: Req| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(StallingBody { sent: false })) }
+    });
+    let layer = memory_layer().upstream_timeout(Duration::from_millis(200));
+    let svc = ServiceBuilder::new().layer(layer.clone()).service(stalling);
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        svc.clone().oneshot(post(Some("k"), "{}")),
+    )
+    .await
+    .expect("cut at the upstream timeout")
+    .unwrap();
+    assert_eq!(first.status(), StatusCode::GATEWAY_TIMEOUT);
+    let retry = svc.oneshot(post(Some("k"), "{}")).await.unwrap();
+    assert_eq!(
+        retry.status(),
+        StatusCode::BAD_GATEWAY,
+        "ambiguous under api"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn without_an_upstream_timeout_a_slow_service_runs_to_its_end() {
+    let gate = Arc::new(Notify::new());
+    let up = Arc::new(Upstream {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    let layer = memory_layer().upstream_timeout(None);
+    let first = spawn_send(&layer, &up);
+    wait_for_calls(&up, 1).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        send(&layer, &up, post(Some("k"), "{}")).await.decision,
+        Decision::InFlight
+    );
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().decision, Decision::Executed);
+}
+
+#[tokio::test]
 async fn sixty_four_concurrent_requests_run_once() {
     let layer = memory_layer();
     let gate = Arc::new(Notify::new());

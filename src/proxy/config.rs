@@ -28,9 +28,9 @@ pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 /// Default store: an embedded durable file, so records survive a restart.
 pub const DEFAULT_STORE: &str = "redb:./data/idemgate.redb";
 /// Default bound on one store call; past it the request is answered as the store being down.
-pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+pub const DEFAULT_STORE_TIMEOUT: Duration = crate::layer::DEFAULT_STORE_TIMEOUT;
 /// Default bound on the upstream's answer (connect, send, response head); past it → `504`.
-pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = crate::layer::DEFAULT_UPSTREAM_TIMEOUT;
 /// Default bound on opening a connection to the upstream; past it nothing was sent → `502`.
 pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default for `upstream_idle_timeout`: idle upstream connections are closed after 2 to 4 s,

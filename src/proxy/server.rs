@@ -159,6 +159,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     let mut layer = IdempotencyLayer::new(Arc::clone(&store))
         .default_route(settings.default_route.clone())
         .store_timeout(settings.store_timeout)
+        // The forwarder bounds each wait on the upstream itself (see `Forwarder::new`); a
+        // bound on the whole run would cut a kept response that is still arriving.
+        .upstream_timeout(None)
         .on_store_error(match settings.on_store_error {
             StoreErrorPolicy::Reject => OnStoreError::Reject,
             StoreErrorPolicy::Pass => OnStoreError::Pass,

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::mem;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -35,8 +36,10 @@ const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Polling bounds while a `concurrent = "wait"` request waits for the first one.
 const WAIT_POLL_MIN: Duration = Duration::from_millis(5);
 const WAIT_POLL_MAX: Duration = Duration::from_millis(200);
-/// Tries at releasing a claim whose answer was lost.
-const UNDO_ATTEMPTS: u32 = 3;
+/// Claims being undone at once, in this process: past it a claim whose answer was lost lapses
+/// with its lease, so a long store outage under heavy load holds bounded memory.
+const MAX_UNDOING: usize = 4096;
+static UNDOING: AtomicUsize = AtomicUsize::new(0);
 /// Frames of an over-limit response buffered between the upstream and a slow client.
 const RELAY_FRAMES: usize = 8;
 
@@ -300,6 +303,7 @@ impl Keyed {
                 shared: &self.shared,
                 record: self.record,
                 token,
+                lease: policy.lease,
             };
             let store = &self.shared.store;
             let claim = self
@@ -725,10 +729,16 @@ impl<F: Future> Future for Bounded<F> {
 /// that never ran. Dropped without [`disarm`](Self::disarm), this releases it with the token
 /// it would carry: fenced, so it removes that claim and nothing else. Stores apply one
 /// caller's commands in order, so the release lands after a late claim.
+///
+/// A store that lost one answer may be failing: the release is tried again, every store
+/// timeout, for as long as the claim's lease could hold the key. Given up earlier, a claim
+/// under `unknown_outcome = "ambiguous"` would lapse into an ambiguous record, and every
+/// retry of a request that never ran would be told its outcome is unknown.
 struct UndoClaim<'a> {
     shared: &'a Shared,
     record: RecordKey,
     token: OwnerToken,
+    lease: Duration,
 }
 
 impl UndoClaim<'_> {
@@ -744,21 +754,52 @@ impl Drop for UndoClaim<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let Some(undoing) = Undoing::start() else {
+            tracing::warn!(record = %self.record.short(), "too many claims being undone; this one lapses with its lease");
+            return;
+        };
         let store = Arc::clone(&self.shared.store);
         let (record, token, timeout) = (self.record, self.token, self.shared.store_timeout);
+        // The claim landed, if it did, before now: its lease ends by then.
+        let lease_end = tokio::time::Instant::now() + self.lease;
         runtime.spawn(async move {
-            for attempt in 0..UNDO_ATTEMPTS {
-                if attempt > 0 {
-                    tokio::time::sleep(timeout).await;
-                }
+            let _undoing = undoing;
+            let undone = loop {
                 if let Ok(Ok(_)) =
                     tokio::time::timeout(timeout, store.release(&record, token)).await
                 {
-                    return;
+                    break true;
                 }
+                if tokio::time::Instant::now() + timeout >= lease_end {
+                    break false;
+                }
+                tokio::time::sleep(timeout).await;
+            };
+            if !undone {
+                tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
             }
-            tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
         });
+    }
+}
+
+/// One claim being undone, counted against [`MAX_UNDOING`] until dropped (also when its task
+/// is dropped with a runtime that shuts down).
+struct Undoing;
+
+impl Undoing {
+    fn start() -> Option<Self> {
+        if UNDOING.fetch_add(1, Ordering::Relaxed) < MAX_UNDOING {
+            Some(Undoing)
+        } else {
+            UNDOING.fetch_sub(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+impl Drop for Undoing {
+    fn drop(&mut self) {
+        UNDOING.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -952,6 +952,18 @@ async fn wait_for_calls(up: &Upstream, n: usize) {
 struct LostAnswerStore {
     inner: MemoryStore,
     lose_answers: std::sync::atomic::AtomicBool,
+    /// While set, releases fail, as from a store that is down.
+    fail_releases: std::sync::atomic::AtomicBool,
+}
+
+impl LostAnswerStore {
+    fn new(lose_answers: bool, fail_releases: bool) -> Self {
+        Self {
+            inner: MemoryStore::default(),
+            lose_answers: lose_answers.into(),
+            fail_releases: fail_releases.into(),
+        }
+    }
 }
 
 #[async_trait]
@@ -982,6 +994,12 @@ impl Store for LostAnswerStore {
         self.inner.complete(k, t, c, ttl).await
     }
     async fn release(&self, k: &RecordKey, t: OwnerToken) -> Result<Transition, StoreError> {
+        if self.fail_releases.load(Ordering::SeqCst) {
+            return Err(StoreError::Timeout {
+                backend: "lost",
+                after: Duration::from_millis(1),
+            });
+        }
         self.inner.release(k, t).await
     }
     async fn renew(
@@ -1014,12 +1032,47 @@ impl Store for LostAnswerStore {
     }
 }
 
+/// Sends `POST {}` with key `k` until the answer is not `409 request-in-flight`.
+async fn send_until_not_in_flight(
+    layer: &IdempotencyLayer,
+    up: &Arc<Upstream>,
+    tries: usize,
+) -> Option<Answer> {
+    for _ in 0..tries {
+        let r = send(layer, up, post(Some("k"), "{}")).await;
+        if r.decision != Decision::InFlight {
+            return Some(r);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+#[tokio::test]
+async fn a_lost_claim_is_undone_once_the_store_is_back_within_the_lease() {
+    let store = Arc::new(LostAnswerStore::new(true, true));
+    let layer = IdempotencyLayer::new(store.clone())
+        .store_timeout(Duration::from_millis(50))
+        .default_route(RoutePolicy::api().lease(Duration::from_secs(3)));
+    let up = Arc::new(Upstream::default());
+    let refused = send(&layer, &up, post(Some("k"), "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    store.lose_answers.store(false, Ordering::SeqCst);
+    // Releases keep failing for many store timeouts, then the store is back, long before
+    // the lease ends: the claim is undone and the retry runs, rather than lapsing into an
+    // ambiguous record for a request that never ran.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    store.fail_releases.store(false, Ordering::SeqCst);
+    let retry = send_until_not_in_flight(&layer, &up, 100)
+        .await
+        .expect("the lost claim was not undone within the lease");
+    assert_eq!(retry.decision, Decision::Executed);
+    assert_eq!(up.calls(), 1);
+}
+
 #[tokio::test]
 async fn a_claim_whose_answer_was_lost_is_undone_so_the_retry_runs() {
-    let store = Arc::new(LostAnswerStore {
-        inner: MemoryStore::default(),
-        lose_answers: std::sync::atomic::AtomicBool::new(true),
-    });
+    let store = Arc::new(LostAnswerStore::new(true, false));
     let layer = IdempotencyLayer::new(store.clone());
     let up = Arc::new(Upstream::default());
     let refused = send(&layer, &up, post(Some("k"), "{}")).await;
@@ -1027,16 +1080,9 @@ async fn a_claim_whose_answer_was_lost_is_undone_so_the_retry_runs() {
     assert_eq!(up.calls(), 0);
     store.lose_answers.store(false, Ordering::SeqCst);
     // The 503 said nothing was forwarded; the retry must run, not find a phantom claim.
-    let mut retry = None;
-    for _ in 0..100 {
-        let r = send(&layer, &up, post(Some("k"), "{}")).await;
-        if r.decision != Decision::InFlight {
-            retry = Some(r);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let retry = retry.expect("the lost claim was never undone");
+    let retry = send_until_not_in_flight(&layer, &up, 100)
+        .await
+        .expect("the lost claim was never undone");
     assert_eq!(retry.decision, Decision::Executed);
     assert_eq!(up.calls(), 1);
 }

@@ -185,7 +185,11 @@ async fn space_of_expired_records_is_reused() {
                 tokio::spawn(async move {
                     for i in 0..63u32 {
                         let key = Hash256::of(format!("reuse-{round}-{task}-{i}").as_bytes());
-                        let Claim::Acquired(token) = claim(&store, &key, &options(ttl, ttl)).await
+                        // A long lease: a slow commit on a busy disk must not let a claim
+                        // lapse before its completion lands.
+                        let lease = Duration::from_secs(60);
+                        let Claim::Acquired(token) =
+                            claim(&store, &key, &options(lease, ttl)).await
                         else {
                             panic!("fresh key not acquired");
                         };

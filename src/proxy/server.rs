@@ -596,8 +596,12 @@ where
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         let refused = match over_header_limits(&req, &self.limits) {
             Some(problem) => Some((problem, UnroutedReason::TooLarge)),
-            None => unsupported_transfer_coding(&req)
-                .map(|problem| (problem, UnroutedReason::Unsupported)),
+            // Only a body of unknown length (chunked) can have come with a transfer coding.
+            None if http_body::Body::size_hint(req.body()).exact().is_none() => {
+                unsupported_transfer_coding(&req)
+                    .map(|problem| (problem, UnroutedReason::Unsupported))
+            }
+            None => None,
         };
         let log = RequestLog {
             method: req.method().clone(),

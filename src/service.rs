@@ -396,8 +396,10 @@ impl Keyed {
         ResB::Error: Into<BoxError> + Send,
     {
         let policy = &self.route.policy;
-        let deadline =
-            (self.shared.upstream_timeout).map(|after| tokio::time::Instant::now() + after);
+        let deadline = self
+            .shared
+            .upstream_timeout
+            .map(|after| tokio::time::Instant::now() + after);
 
         let response = match within(deadline, call(inner, req)).await {
             Some(Ok(response)) => response,

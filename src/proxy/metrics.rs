@@ -350,7 +350,7 @@ impl Metrics {
         write_counters(
             &mut out,
             "idemgate_unrouted_requests_total",
-            "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP) or too_large (431, header fields past the limits; 414, a target too long).",
+            "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP), too_large (431, header fields past the limits; 414, a target too long) or unsupported (501, a transfer coding other than chunked alone).",
             UnroutedReason::ALL.map(|reason| {
                 let n = self.unrouted_requests[reason as usize].load(Ordering::Relaxed);
                 (("reason", reason.as_str()), n)

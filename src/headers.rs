@@ -68,6 +68,21 @@ pub(crate) fn field_name(bytes: &[u8]) -> Option<HeaderName> {
     known.or_else(|| HeaderName::from_bytes(bytes).ok())
 }
 
+/// The elements of a comma-separated list field (RFC 9110 §5.6.1), over all of its field
+/// lines, trimmed, with empty elements left out.
+#[cfg(feature = "proxy")]
+pub(crate) fn list_elements<'a>(
+    headers: &'a HeaderMap,
+    name: &HeaderName,
+) -> impl Iterator<Item = &'a [u8]> {
+    headers
+        .get_all(name)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|element| !element.is_empty())
+}
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few

@@ -787,20 +787,17 @@ fn framing(
         return Ok(Framing::Empty);
     }
     if present.transfer_encoding {
-        let mut last = None;
-        for value in headers.get_all(TRANSFER_ENCODING) {
-            let value = value
-                .to_str()
-                .map_err(|_| ClientError::Malformed("bad Transfer-Encoding"))?;
-            for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-                last = Some(coding);
-            }
+        let values = headers.get_all(TRANSFER_ENCODING);
+        if values.iter().any(|value| value.to_str().is_err()) {
+            return Err(ClientError::Malformed("bad Transfer-Encoding"));
         }
-        return Ok(match last {
-            Some(coding) if coding.eq_ignore_ascii_case("chunked") => Framing::Chunked,
-            // Another final coding: the body runs to the end of the connection.
-            _ => Framing::UntilClose,
-        });
+        return Ok(
+            match crate::headers::list_elements(headers, &TRANSFER_ENCODING).last() {
+                Some(coding) if coding.eq_ignore_ascii_case(b"chunked") => Framing::Chunked,
+                // Another final coding: the body runs to the end of the connection.
+                _ => Framing::UntilClose,
+            },
+        );
     }
     // Looked up only when the head has one.
     if !present.content_length {

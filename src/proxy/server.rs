@@ -567,14 +567,8 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
 /// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
 /// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
 fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
-    let mut codings = req
-        .headers()
-        .get_all(http::header::TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
-        .map(<[u8]>::trim_ascii)
-        // A list may hold empty elements (RFC 9110 §5.6.1).
-        .filter(|coding| !coding.is_empty());
+    let mut codings =
+        crate::headers::list_elements(req.headers(), &http::header::TRANSFER_ENCODING);
     let first = codings.next()?;
     let chunked_alone = first.eq_ignore_ascii_case(b"chunked") && codings.next().is_none();
     (!chunked_alone).then(Problem::unsupported_transfer_coding)

@@ -181,15 +181,25 @@ fn tag<B>(
     response
 }
 
-/// Reads a keyed request's body, finds its key and fingerprint, and hands the rest to
-/// [`Keyed::run`].
-async fn handle_keyed<S, ReqB, ResB>(
+/// Reads a keyed request's body, finds its key and fingerprint, claims it
+/// ([`Keyed::claim`]) and answers or runs it ([`Keyed::answer`]).
+///
+/// A plain function returning an `async move` block, not an `async fn`: an `async fn` keeps
+/// each argument in its state for its whole life and copies it into a local of its own as it
+/// starts, so the request head (over 200 bytes) would be held twice and copied once more, on
+/// every keyed request. For the same reason the claim is a small future borrowing the
+/// [`Keyed`], and the request's head and body stay here until they are needed.
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn would hold its arguments twice (above)"
+)]
+fn handle_keyed<S, ReqB, ResB>(
     shared: Arc<Shared>,
     route: Arc<Route>,
     inner: S,
     req: Request<ReqB>,
     header_key: Option<String>,
-) -> Step<ResB, S::Error>
+) -> impl Future<Output = Step<ResB, S::Error>>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
@@ -198,61 +208,64 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BoxError> + Send,
 {
-    let policy = &route.policy;
-    let (parts, body) = req.into_parts();
-    let body = match read_capped(body, policy.max_request_bytes).await {
-        Ok(body) => body,
-        Err(Capped::Over { .. }) => {
-            let problem = Problem::request_too_large(policy.max_request_bytes);
-            return early(problem, Decision::RequestRejected, &route);
-        }
-        Err(Capped::Failed(_)) => {
-            let problem = Problem::request_body_error();
-            return early(problem, Decision::RequestRejected, &route);
-        }
-    };
-    let key = match (header_key, &policy.key) {
-        (Some(key), _) => key,
-        (None, KeySource::JsonPointer(pointer)) => match key::from_json_body(&body, pointer) {
-            Ok(Some(key)) => key,
-            Ok(None) if policy.require_key => {
-                let problem = Problem::missing_key(&policy.key);
-                return early(problem, Decision::MissingKey, &route);
+    async move {
+        let policy = &route.policy;
+        let (parts, body) = req.into_parts();
+        let body = match read_capped(body, policy.max_request_bytes).await {
+            Ok(body) => body,
+            Err(Capped::Over { .. }) => {
+                let problem = Problem::request_too_large(policy.max_request_bytes);
+                return early(problem, Decision::RequestRejected, &route);
             }
-            Ok(None) => {
-                let req = Request::from_parts(parts, RequestBody::buffered(body));
-                return Step::Answer(call(inner, req).await.map(|response| {
-                    tag(
-                        response.map(ResponseBody::inner),
-                        Decision::PassedThrough,
-                        &route,
-                        None,
-                    )
-                }));
+            Err(Capped::Failed(_)) => {
+                let problem = Problem::request_body_error();
+                return early(problem, Decision::RequestRejected, &route);
             }
-            Err(why) => return early(Problem::invalid_key(why), Decision::InvalidKey, &route),
-        },
-        // A header key source always yields a key or an early answer in `call`.
-        (None, KeySource::Header(_)) => {
-            return early(Problem::internal(), Decision::RequestRejected, &route);
-        }
-    };
-    let record = fingerprint::record_key(&route.name, &policy.scope_headers, &parts.headers, &key);
-    let fingerprint = fingerprint::fingerprint(
-        &parts.method,
-        &parts.uri,
-        &parts.headers,
-        &policy.fingerprint_headers,
-        &body,
-    );
-    let req = Request::from_parts(parts, RequestBody::buffered(body));
-    let keyed = Keyed {
-        shared,
-        route,
-        record,
-        fingerprint,
-    };
-    keyed.run(inner, req).await
+        };
+        let key = match (header_key, &policy.key) {
+            (Some(key), _) => key,
+            (None, KeySource::JsonPointer(pointer)) => match key::from_json_body(&body, pointer) {
+                Ok(Some(key)) => key,
+                Ok(None) if policy.require_key => {
+                    let problem = Problem::missing_key(&policy.key);
+                    return early(problem, Decision::MissingKey, &route);
+                }
+                Ok(None) => {
+                    let req = Request::from_parts(parts, RequestBody::buffered(body));
+                    return Step::Answer(call(inner, req).await.map(|response| {
+                        tag(
+                            response.map(ResponseBody::inner),
+                            Decision::PassedThrough,
+                            &route,
+                            None,
+                        )
+                    }));
+                }
+                Err(why) => return early(Problem::invalid_key(why), Decision::InvalidKey, &route),
+            },
+            // A header key source always yields a key or an early answer in `call`.
+            (None, KeySource::Header(_)) => {
+                return early(Problem::internal(), Decision::RequestRejected, &route);
+            }
+        };
+        let record =
+            fingerprint::record_key(&route.name, &policy.scope_headers, &parts.headers, &key);
+        let fingerprint = fingerprint::fingerprint(
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            &policy.fingerprint_headers,
+            &body,
+        );
+        let keyed = Keyed {
+            shared,
+            route,
+            record,
+            fingerprint,
+        };
+        let claim = keyed.claim().await;
+        keyed.answer(claim, inner, parts, body)
+    }
 }
 
 /// The life of one keyed request after its key and fingerprint are known.
@@ -265,24 +278,9 @@ struct Keyed {
 }
 
 impl Keyed {
-    /// Claims the key and answers from what the store holds, in the caller's task: a replay or
-    /// a refusal costs no task of its own. Once the claim is acquired, the work is returned as
-    /// a [`Step::Run`]: it goes on in the caller's task, and in a task of its own if the caller
-    /// goes away, because from then on it must finish (see [`ResponseFuture::keyed`]).
-    /// Before the store has answered, a dropped claim is undone (see [`UndoClaim`]).
-    async fn run<S, ReqB, ResB>(
-        self,
-        inner: S,
-        req: Request<RequestBody<ReqB>>,
-    ) -> Step<ResB, S::Error>
-    where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Send + 'static,
-        ReqB: Body<Data = Bytes> + Send + Unpin + 'static,
-        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
-        ResB::Error: Into<BoxError> + Send,
-    {
+    /// Claims the key, waiting for a request in flight if the route says so. Until the store
+    /// has answered, a dropped claim is undone (see [`UndoClaim`]).
+    async fn claim(&self) -> Result<Claim, StoreError> {
         let policy = &self.route.policy;
         let options = ClaimOptions {
             lease: policy.lease,
@@ -295,7 +293,7 @@ impl Keyed {
         };
         let mut poll = WAIT_POLL_MIN;
         let token = OwnerToken::generate();
-        let claim = loop {
+        loop {
             // Until the store has answered, a claim may have landed that nobody will run:
             // dropped armed (the store failed or timed out, or the client hung up), the guard
             // undoes it.
@@ -319,14 +317,36 @@ impl Keyed {
                     tokio::time::sleep_until(next.min(end)).await;
                     poll = (poll * 2).min(WAIT_POLL_MAX);
                 }
-                (other, _) => break other,
+                (other, _) => return other,
             }
-        };
+        }
+    }
+
+    /// Answers from what the store said, in the caller's task: a replay or a refusal costs no
+    /// task of its own. An acquired claim's work is returned as a [`Step::Run`]: it goes on in
+    /// the caller's task, and in a task of its own if the caller goes away, because from then
+    /// on it must finish (see [`ResponseFuture::keyed`]). Not async: nothing can come between
+    /// the claim and handing back its work. The request is handed over as its head and read
+    /// body, and put back together only if it runs: a replay or a refusal never builds it.
+    fn answer<S, ReqB, ResB>(
+        self,
+        claim: Result<Claim, StoreError>,
+        inner: S,
+        parts: http::request::Parts,
+        body: Bytes,
+    ) -> Step<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
         let answer = match claim {
-            // No await between the claim and handing back the work: once acquired, the claim
-            // is always run, completed or released, whatever the caller does.
             Ok(Claim::Acquired(token)) => {
                 return Step::Run(Box::pin(async move {
+                    let req = Request::from_parts(parts, RequestBody::buffered(body));
                     // Built in place and lent out: the work future (large) is not moved into
                     // each future that awaits it.
                     let work = std::pin::pin!(self.execute(inner, req, token));
@@ -342,7 +362,7 @@ impl Keyed {
                 self.problem(Problem::outcome_unknown(), Decision::OutcomeUnknown)
             }
             Ok(Claim::Mismatch) => self.problem(
-                Problem::key_mismatch(policy.mismatch_status),
+                Problem::key_mismatch(self.route.policy.mismatch_status),
                 Decision::Mismatch,
             ),
             Err(error) => match self.shared.on_store_error {
@@ -358,6 +378,7 @@ impl Keyed {
                     tracing::warn!(record = %self.record.short(), error = %ErrorChain(&error), "store failed; request forwarded without protection");
                     // Like a claimed request, it runs to its end even if the client leaves.
                     return Step::Run(Box::pin(async move {
+                        let req = Request::from_parts(parts, RequestBody::buffered(body));
                         call(inner, req).await.map(|response| {
                             self.tag(response.map(ResponseBody::inner), Decision::Unprotected)
                         })
@@ -663,19 +684,68 @@ impl Keyed {
 }
 
 /// Calls a service that was already polled ready by the caller of the middleware, and removes
-/// the headers only idemgate may set from its response.
-async fn call<S, R, B>(mut inner: S, req: R) -> Result<Response<B>, S::Error>
+/// the headers only idemgate may set from its response. The service is dropped once called
+/// (as tower's `Oneshot` does): its future owns what it needs.
+fn call<S, R, B>(mut inner: S, req: R) -> Called<S::Future>
 where
     S: Service<R, Response = Response<B>>,
 {
-    inner.call(req).await.map(without_owned_headers)
+    Called {
+        future: inner.call(req),
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`call`]. Plain futures here and in [`Within`], not `async fn`s: an
+    /// `async fn` would move the inner service's future (large: the proxy's forward is near
+    /// 2 KB) once more into its own state before polling it, on every keyed request.
+    struct Called<F> {
+        #[pin]
+        future: F,
+    }
+}
+
+impl<F, B, E> Future for Called<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project()
+            .future
+            .poll(cx)
+            .map(|out| out.map(without_owned_headers))
+    }
 }
 
 /// Runs `work` until `deadline`, if there is one; `None` when the time ran out first.
-async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Option<F::Output> {
+fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Within<F> {
     match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, work).await.ok(),
-        None => Some(work.await),
+        Some(deadline) => Within::Bounded {
+            work: tokio::time::timeout_at(deadline, work),
+        },
+        None => Within::Open { work },
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`within`].
+    #[project = WithinProj]
+    enum Within<F> {
+        Open { #[pin] work: F },
+        Bounded { #[pin] work: tokio::time::Timeout<F> },
+    }
+}
+
+impl<F: Future> Future for Within<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            WithinProj::Open { work } => work.poll(cx).map(Some),
+            WithinProj::Bounded { work } => work.poll(cx).map(Result::ok),
+        }
     }
 }
 

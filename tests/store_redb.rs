@@ -185,11 +185,12 @@ async fn space_of_expired_records_is_reused() {
                 tokio::spawn(async move {
                     for i in 0..63u32 {
                         let key = Hash256::of(format!("reuse-{round}-{task}-{i}").as_bytes());
-                        // A long lease: a slow commit on a busy disk must not let a claim
-                        // lapse before its completion lands.
-                        let lease = Duration::from_secs(60);
+                        // A long lease and claim ttl: a slow commit on a busy disk must not
+                        // let the claim lapse or its record expire before its completion
+                        // lands. The completed record lives `ttl`.
+                        let held = Duration::from_secs(60);
                         let Claim::Acquired(token) =
-                            claim(&store, &key, &options(lease, ttl)).await
+                            claim(&store, &key, &options(held, held)).await
                         else {
                             panic!("fresh key not acquired");
                         };

@@ -112,88 +112,110 @@ where
     }
 
     fn call(&mut self, req: Request<RequestBody<B>>) -> Self::Future {
-        let shared = Arc::clone(&self.shared);
-        let client_ip = self.client_ip.clone();
-        Box::pin(async move { Ok(forward(&shared, client_ip.as_ref(), req).await) })
+        Box::pin(forward(
+            Arc::clone(&self.shared),
+            self.client_ip.clone(),
+            req,
+        ))
     }
 }
 
-async fn forward<B>(
-    shared: &ForwarderShared,
-    client_ip: Option<&HeaderValue>,
+/// Sends the request upstream and answers with the upstream's response head and a body that
+/// streams the rest, or with a problem response marked with what happened to the request.
+///
+/// A plain function returning an `async move` block, not an `async fn`, and with the send
+/// written out here rather than in nested `async fn`s: an `async fn` keeps each argument in
+/// its state for its whole life and copies it into a local as it starts, so each level would
+/// hold the request head again and move the next level's future (hundreds of bytes) once
+/// more, on every forwarded request.
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn would hold its arguments twice (above)"
+)]
+fn forward<B>(
+    shared: Arc<ForwarderShared>,
+    client_ip: Option<HeaderValue>,
     req: Request<RequestBody<B>>,
-) -> Response<ProxyBody>
+) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (mut parts, body) = req.into_parts();
-    let client_version = parts.version;
-    let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
-        // Only a target that cannot be joined to the base path gets here; nothing was sent.
-        return upstream_failure(UpstreamErrorKind::Unreachable, shared);
-    };
-    strip_hop_by_hop(&mut parts.headers);
-    let forwarded = ForwardedFields::new(&parts.headers, &parts.uri, client_ip);
-    let set = forwarded.set(&shared.host);
-    let own = OwnFields {
-        set: set.as_slice(),
-        replaced: &FORWARDER_FIELDS,
-    };
-    parts.uri = Uri::from(target);
+    async move {
+        let shared = &*shared;
+        let client_ip = client_ip.as_ref();
+        let (mut parts, mut body) = req.into_parts();
+        let client_version = parts.version;
+        let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
+            // Only a target that cannot be joined to the base path gets here; nothing was sent.
+            return Ok(upstream_failure(UpstreamErrorKind::Unreachable, shared));
+        };
+        strip_hop_by_hop(&mut parts.headers);
+        let forwarded = ForwardedFields::new(&parts.headers, &parts.uri, client_ip);
+        let set = forwarded.set(&shared.host);
+        let own = OwnFields {
+            set: set.as_slice(),
+            replaced: &FORWARDER_FIELDS,
+        };
+        parts.uri = Uri::from(target);
 
-    if body.is_buffered() {
-        // A request the layer held (read whole, hashed, claimed) goes upstream at the end of
-        // the runtime's turn, after the other requests that are ready have had their turn:
-        // under load their upstream writes leave together, so an upstream on the same host
-        // reads several per wake-up instead of being woken (and taking the core) for each.
-        // A streamed request goes at once: deferring those too measured worse (the upstream
-        // woke more often per request).
-        tokio::task::yield_now().await;
-    }
-    let started = Instant::now();
-    let deadline = tokio::time::Instant::from_std(started) + shared.timeout;
-    match send(&shared.pool, &parts, &own, body, deadline).await {
-        Ok((mut head, connection, unsent)) => {
-            shared.metrics.observe_upstream(started.elapsed());
-            prepare_response_headers(&mut head.headers);
-            let body = ProxyBody::upstream(
-                BodyReader::new(&head, connection, shared.timeout, unsent),
-                &shared.pool,
-            );
-            let mut response = Response::new(body);
-            *response.status_mut() = head.status;
-            // Answer in the client's protocol version, whatever the upstream spoke (an
-            // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
-            *response.version_mut() = client_version;
-            *response.headers_mut() = head.headers;
-            response
+        if body.is_buffered() {
+            // A request the layer held (read whole, hashed, claimed) goes upstream at the end of
+            // the runtime's turn, after the other requests that are ready have had their turn:
+            // under load their upstream writes leave together, so an upstream on the same host
+            // reads several per wake-up instead of being woken (and taking the core) for each.
+            // A streamed request goes at once: deferring those too measured worse (the upstream
+            // woke more often per request).
+            tokio::task::yield_now().await;
         }
-        Err(SendError::Client(client::SendError::BodyBeforeSent(error))) => {
-            // The client's body broke off (or overran its length) before anything went
-            // upstream: not the upstream's failure, and nothing was sent.
-            tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
-            problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
-        }
-        Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(error)))) => {
-            // The same after part of the request went out: the upstream holds an incomplete
-            // message, which is not the upstream's failure either, but what it made of it
-            // is not known.
-            tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
-            problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
-        }
-        Err(error) => {
-            let kind = error.kind();
-            if kind == UpstreamErrorKind::Timeout {
-                tracing::warn!(
-                    after_ms = shared.timeout.as_millis() as u64,
-                    "upstream timed out"
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(started) + shared.timeout;
+        let sent = exchange(&shared.pool, &parts, &own, &mut body, deadline).await;
+        Ok(match sent {
+            Ok((mut head, connection)) => {
+                let unsent = UnsentBody::take(&mut head, body);
+                shared.metrics.observe_upstream(started.elapsed());
+                prepare_response_headers(&mut head.headers);
+                let body = ProxyBody::upstream(
+                    BodyReader::new(&head, connection, shared.timeout, unsent),
+                    &shared.pool,
                 );
-            } else {
-                tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
+                let mut response = Response::new(body);
+                *response.status_mut() = head.status;
+                // Answer in the client's protocol version, whatever the upstream spoke (an
+                // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
+                *response.version_mut() = client_version;
+                *response.headers_mut() = head.headers;
+                response
             }
-            upstream_failure(kind, shared)
-        }
+            Err(SendError::Client(client::SendError::BodyBeforeSent(error))) => {
+                // The client's body broke off (or overran its length) before anything went
+                // upstream: not the upstream's failure, and nothing was sent.
+                tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
+                problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
+            }
+            Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(
+                error,
+            )))) => {
+                // The same after part of the request went out: the upstream holds an incomplete
+                // message, which is not the upstream's failure either, but what it made of it
+                // is not known.
+                tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
+                problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
+            }
+            Err(error) => {
+                let kind = error.kind();
+                if kind == UpstreamErrorKind::Timeout {
+                    tracing::warn!(
+                        after_ms = shared.timeout.as_millis() as u64,
+                        "upstream timed out"
+                    );
+                } else {
+                    tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
+                }
+                upstream_failure(kind, shared)
+            }
+        })
     }
 }
 
@@ -224,24 +246,6 @@ impl SendError {
             SendError::Client(_) => UpstreamErrorKind::Reset,
         }
     }
-}
-
-/// Sends the request (see [`exchange`]); answers with the response head, the connection it
-/// came on, and what is left of the body when the upstream answered before it had all of it.
-async fn send<B>(
-    pool: &Pool,
-    head: &http::request::Parts,
-    own: &OwnFields<'_>,
-    mut body: B,
-    deadline: tokio::time::Instant,
-) -> Result<(ResponseHead, Connection, Option<UnsentBody>), SendError>
-where
-    B: Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let (mut response, connection) = exchange(pool, head, own, &mut body, deadline).await?;
-    let unsent = UnsentBody::take(&mut response, body);
-    Ok((response, connection, unsent))
 }
 
 /// Sends the request on an idle connection, or on a new one; an idle connection that fails
@@ -693,8 +697,8 @@ mod tests {
             replaced: &[],
         };
         let deadline = tokio::time::Instant::now() + shared.timeout;
-        let body = http_body_util::Empty::<Bytes>::new();
-        let error = send(&shared.pool, &head, &own, body, deadline)
+        let mut body = http_body_util::Empty::<Bytes>::new();
+        let error = exchange(&shared.pool, &head, &own, &mut body, deadline)
             .await
             .unwrap_err();
         assert!(matches!(error, SendError::ConnectTimedOut), "{error:?}");

@@ -405,67 +405,77 @@ impl Keyed {
 
     /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
     /// and answers.
-    async fn execute<S, ReqB, ResB>(
+    ///
+    /// Not an `async fn`, for the reason given at [`handle_keyed`].
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn would hold its arguments twice (see handle_keyed)"
+    )]
+    fn execute<S, ReqB, ResB>(
         &self,
         inner: S,
         req: Request<RequestBody<ReqB>>,
         token: OwnerToken,
-    ) -> Answer<ResB, S::Error>
+    ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB::Error: Into<BoxError> + Send,
     {
-        let policy = &self.route.policy;
-        let deadline = self
-            .shared
-            .upstream_timeout
-            .map(|after| tokio::time::Instant::now() + after);
+        async move {
+            let policy = &self.route.policy;
+            let deadline = self
+                .shared
+                .upstream_timeout
+                .map(|after| tokio::time::Instant::now() + after);
 
-        let response = match within(deadline, call(inner, req)).await {
-            Some(Ok(response)) => response,
-            Some(Err(error)) => {
-                self.outcome_unknown(token).await;
-                return Err(error);
+            let response = match within(deadline, call(inner, req)).await {
+                Some(Ok(response)) => response,
+                Some(Err(error)) => {
+                    self.outcome_unknown(token).await;
+                    return Err(error);
+                }
+                None => return Ok(self.timed_out(token).await),
+            };
+            if let Some(&failure) = response.extensions().get::<UpstreamFailure>() {
+                match failure {
+                    UpstreamFailure::NotSent => self.release(token).await,
+                    UpstreamFailure::Unknown => self.outcome_unknown(token).await,
+                }
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
             }
-            None => return Ok(self.timed_out(token).await),
-        };
-        if let Some(&failure) = response.extensions().get::<UpstreamFailure>() {
-            match failure {
-                UpstreamFailure::NotSent => self.release(token).await,
-                UpstreamFailure::Unknown => self.outcome_unknown(token).await,
+            if !policy.store_statuses.contains(response.status()) {
+                // Not kept, so nothing to buffer: release first so the retry may run, then stream.
+                self.release(token).await;
+                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
             }
-            return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
-        }
-        if !policy.store_statuses.contains(response.status()) {
-            // Not kept, so nothing to buffer: release first so the retry may run, then stream.
-            self.release(token).await;
-            return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
-        }
 
-        let (parts, body) = response.into_parts();
-        let Some(body) = within(deadline, read_capped(body, policy.max_response_bytes)).await
-        else {
-            return Ok(self.timed_out(token).await);
-        };
-        match body {
-            Ok(body) => {
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers: self.storable(&parts.headers),
-                    body: body.clone(),
-                };
-                self.complete(token, Completion::Response(stored)).await;
-                let response = Response::from_parts(parts, ResponseBody::full(body));
-                Ok(self.tag(response, Decision::Executed))
+            let (parts, body) = response.into_parts();
+            let Some(body) = within(deadline, read_capped(body, policy.max_response_bytes)).await
+            else {
+                return Ok(self.timed_out(token).await);
+            };
+            match body {
+                Ok(body) => {
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: self.storable(&parts.headers),
+                        body: body.clone(),
+                    };
+                    self.complete(token, Completion::Response(stored)).await;
+                    let response = Response::from_parts(parts, ResponseBody::full(body));
+                    Ok(self.tag(response, Decision::Executed))
+                }
+                Err(Capped::Failed(error)) => {
+                    let error: BoxError = error.into();
+                    tracing::warn!(record = %self.record.short(), %error, "upstream response broke off");
+                    self.outcome_unknown(token).await;
+                    Ok(self.problem(Problem::response_interrupted(), Decision::OutcomeUnknown))
+                }
+                Err(Capped::Over { head, rest }) => {
+                    Ok(self.relay_too_large(token, parts, head, rest))
+                }
             }
-            Err(Capped::Failed(error)) => {
-                let error: BoxError = error.into();
-                tracing::warn!(record = %self.record.short(), %error, "upstream response broke off");
-                self.outcome_unknown(token).await;
-                Ok(self.problem(Problem::response_interrupted(), Decision::OutcomeUnknown))
-            }
-            Err(Capped::Over { head, rest }) => Ok(self.relay_too_large(token, parts, head, rest)),
         }
     }
 
@@ -578,16 +588,18 @@ impl Keyed {
         std::future::pending().await
     }
 
-    async fn complete(&self, token: OwnerToken, completion: Completion) {
+    /// The store's call is made here, not in the returned future: the completion (a response's
+    /// head, over 100 bytes) goes straight into it instead of being held and moved again.
+    fn complete(&self, token: OwnerToken, completion: Completion) -> impl Future<Output = ()> {
         let ttl = self.route.policy.ttl;
-        let result = self
-            .store_call(
-                self.shared
-                    .store
-                    .complete(&self.record, token, completion, ttl),
-            )
-            .await;
-        self.after_transition("complete", result);
+        let call = self
+            .shared
+            .store
+            .complete(&self.record, token, completion, ttl);
+        async move {
+            let result = self.store_call(call).await;
+            self.after_transition("complete", result);
+        }
     }
 
     async fn release(&self, token: OwnerToken) {

@@ -1,6 +1,7 @@
 //! The body types the layer hands to the inner service and back to its caller, and the one
 //! place a body is buffered (always under an explicit cap).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -185,47 +186,59 @@ pub(crate) enum Capped<B, E> {
 
 /// Reads `body` in full if it is at most `cap` bytes. A body whose declared length is over the
 /// cap is refused before anything is read. Trailers are dropped.
-pub(crate) async fn read_capped<B>(mut body: B, cap: usize) -> Result<Bytes, Capped<B, B::Error>>
+///
+/// Not an `async fn`: its state would hold the body twice (the argument, and the local it is
+/// moved into as it starts), and a response body the proxy relays is near 200 bytes.
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an async fn would hold the body twice (above)"
+)]
+pub(crate) fn read_capped<B>(
+    mut body: B,
+    cap: usize,
+) -> impl Future<Output = Result<Bytes, Capped<B, B::Error>>>
 where
     B: Body<Data = Bytes> + Unpin,
 {
-    if body.size_hint().lower() > cap as u64 {
-        return Err(Capped::Over {
-            head: Bytes::new(),
-            rest: body,
-        });
-    }
-    // Most bodies arrive as one frame: keep it as it is, copy only when a second one comes.
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<BytesMut> = None;
-    let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(Capped::Failed)?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        if data.is_empty() {
-            continue;
+    async move {
+        if body.size_hint().lower() > cap as u64 {
+            return Err(Capped::Over {
+                head: Bytes::new(),
+                rest: body,
+            });
         }
-        len += data.len();
-        let over = len > cap;
-        match (&mut first, &mut joined) {
-            (None, None) => first = Some(data),
-            (Some(f), None) => {
-                let mut buf = BytesMut::with_capacity((len).min(cap.saturating_add(1)));
-                buf.extend_from_slice(f);
-                buf.extend_from_slice(&data);
-                first = None;
-                joined = Some(buf);
+        // Most bodies arrive as one frame: keep it as it is, copy only when a second one comes.
+        let mut first: Option<Bytes> = None;
+        let mut joined: Option<BytesMut> = None;
+        let mut len = 0usize;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(Capped::Failed)?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if data.is_empty() {
+                continue;
             }
-            (_, Some(buf)) => buf.extend_from_slice(&data),
+            len += data.len();
+            let over = len > cap;
+            match (&mut first, &mut joined) {
+                (None, None) => first = Some(data),
+                (Some(f), None) => {
+                    let mut buf = BytesMut::with_capacity((len).min(cap.saturating_add(1)));
+                    buf.extend_from_slice(f);
+                    buf.extend_from_slice(&data);
+                    first = None;
+                    joined = Some(buf);
+                }
+                (_, Some(buf)) => buf.extend_from_slice(&data),
+            }
+            if over {
+                let head = joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze);
+                return Err(Capped::Over { head, rest: body });
+            }
         }
-        if over {
-            let head = joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze);
-            return Err(Capped::Over { head, rest: body });
-        }
+        Ok(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
     }
-    Ok(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
 }
 
 #[cfg(test)]

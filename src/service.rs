@@ -111,8 +111,10 @@ where
             KeySource::JsonPointer(_) => None,
         };
         let shared = self.shared.clone();
+        // Split here, so the future holds the head once rather than the request and its head.
+        let (parts, body) = req.into_parts();
         ResponseFuture::keyed(
-            Box::pin(handle_keyed(shared, route, inner, req, header_key)),
+            Box::pin(handle_keyed(shared, route, inner, parts, body, header_key)),
             detach::<ResB, S::Error>,
         )
     }
@@ -197,7 +199,8 @@ fn handle_keyed<S, ReqB, ResB>(
     shared: Arc<Shared>,
     route: Arc<Route>,
     inner: S,
-    req: Request<ReqB>,
+    parts: http::request::Parts,
+    body: ReqB,
     header_key: Option<String>,
 ) -> impl Future<Output = Step<ResB, S::Error>>
 where
@@ -210,7 +213,6 @@ where
 {
     async move {
         let policy = &route.policy;
-        let (parts, body) = req.into_parts();
         let body = match read_capped(body, policy.max_request_bytes).await {
             Ok(body) => body,
             Err(Capped::Over { .. }) => {
@@ -345,11 +347,16 @@ impl Keyed {
     {
         let answer = match claim {
             Ok(Claim::Acquired(token)) => {
+                // The inner service is called here, so the work holds only its future (the
+                // proxy's is boxed), not the service and the request it was made from.
+                let called = call(
+                    inner,
+                    Request::from_parts(parts, RequestBody::buffered(body)),
+                );
                 return Step::Run(Box::pin(async move {
-                    let req = Request::from_parts(parts, RequestBody::buffered(body));
                     // Built in place and lent out: the work future (large) is not moved into
                     // each future that awaits it.
-                    let work = std::pin::pin!(self.execute(inner, req, token));
+                    let work = std::pin::pin!(self.execute(called, token));
                     self.under_lease(token, work).await
                 }));
             }
@@ -403,22 +410,21 @@ impl Keyed {
         }
     }
 
-    /// Runs the request upstream under the claim `token`, keeps what the route says to keep,
-    /// and answers.
+    /// Awaits the inner service's answer (`called`) under the claim `token`, keeps what the
+    /// route says to keep, and answers.
     ///
     /// Not an `async fn`, for the reason given at [`handle_keyed`].
     #[allow(
         clippy::manual_async_fn,
         reason = "an async fn would hold its arguments twice (see handle_keyed)"
     )]
-    fn execute<S, ReqB, ResB>(
+    fn execute<F, ResB, E>(
         &self,
-        inner: S,
-        req: Request<RequestBody<ReqB>>,
+        called: Called<F>,
         token: OwnerToken,
-    ) -> impl Future<Output = Answer<ResB, S::Error>>
+    ) -> impl Future<Output = Answer<ResB, E>>
     where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        F: Future<Output = Result<Response<ResB>, E>>,
         ResB: Body<Data = Bytes> + Send + Unpin + 'static,
         ResB::Error: Into<BoxError> + Send,
     {
@@ -429,7 +435,7 @@ impl Keyed {
                 .upstream_timeout
                 .map(|after| tokio::time::Instant::now() + after);
 
-            let response = match within(deadline, call(inner, req)).await {
+            let response = match within(deadline, called).await {
                 Some(Ok(response)) => response,
                 Some(Err(error)) => {
                     self.outcome_unknown(token).await;

@@ -413,7 +413,9 @@ impl Keyed {
     /// Awaits the inner service's answer (`called`) under the claim `token`, keeps what the
     /// route says to keep, and answers.
     ///
-    /// Not an `async fn`, for the reason given at [`handle_keyed`].
+    /// Not an `async fn`, for the reason given at [`handle_keyed`]; what follows the answer is
+    /// a future of its own ([`Keyed::settle`]), so the response is not held beside the waits
+    /// of the failure paths.
     #[allow(
         clippy::manual_async_fn,
         reason = "an async fn would hold its arguments twice (see handle_keyed)"
@@ -429,34 +431,63 @@ impl Keyed {
         ResB::Error: Into<BoxError> + Send,
     {
         async move {
-            let policy = &self.route.policy;
             let deadline = self
                 .shared
                 .upstream_timeout
                 .map(|after| tokio::time::Instant::now() + after);
-
-            let response = match within(deadline, called).await {
-                Some(Ok(response)) => response,
-                Some(Err(error)) => {
-                    self.outcome_unknown(token).await;
-                    return Err(error);
+            let error = match within(deadline, called).await {
+                Some(Ok(response)) => {
+                    let (parts, body) = response.into_parts();
+                    return self.settle(parts, body, deadline, token).await;
                 }
-                None => return Ok(self.timed_out(token).await),
+                Some(Err(error)) => Some(error),
+                None => None,
             };
-            if let Some(&failure) = response.extensions().get::<UpstreamFailure>() {
+            match error {
+                Some(error) => {
+                    self.outcome_unknown(token).await;
+                    Err(error)
+                }
+                None => Ok(self.timed_out(token).await),
+            }
+        }
+    }
+
+    /// Settles the claim `token` by the inner service's response: keeps it if the route says
+    /// to (reading its body by `deadline`), or releases the key or applies `unknown_outcome`;
+    /// then answers.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn would hold its arguments twice (see handle_keyed)"
+    )]
+    fn settle<ResB, E>(
+        &self,
+        parts: http::response::Parts,
+        body: ResB,
+        deadline: Option<tokio::time::Instant>,
+        token: OwnerToken,
+    ) -> impl Future<Output = Answer<ResB, E>>
+    where
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BoxError> + Send,
+    {
+        async move {
+            let policy = &self.route.policy;
+            if let Some(&failure) = parts.extensions.get::<UpstreamFailure>() {
                 match failure {
                     UpstreamFailure::NotSent => self.release(token).await,
                     UpstreamFailure::Unknown => self.outcome_unknown(token).await,
                 }
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::UpstreamFailed));
+                let response = Response::from_parts(parts, ResponseBody::inner(body));
+                return Ok(self.tag(response, Decision::UpstreamFailed));
             }
-            if !policy.store_statuses.contains(response.status()) {
+            if !policy.store_statuses.contains(parts.status) {
                 // Not kept, so nothing to buffer: release first so the retry may run, then stream.
                 self.release(token).await;
-                return Ok(self.tag(response.map(ResponseBody::inner), Decision::Executed));
+                let response = Response::from_parts(parts, ResponseBody::inner(body));
+                return Ok(self.tag(response, Decision::Executed));
             }
 
-            let (parts, body) = response.into_parts();
             let Some(body) = within(deadline, read_capped(body, policy.max_response_bytes)).await
             else {
                 return Ok(self.timed_out(token).await);

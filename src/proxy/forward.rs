@@ -112,10 +112,13 @@ where
     }
 
     fn call(&mut self, req: Request<RequestBody<B>>) -> Self::Future {
+        // Split here, so the future holds the head once rather than the request and its head.
+        let (parts, body) = req.into_parts();
         Box::pin(forward(
             Arc::clone(&self.shared),
             self.client_ip.clone(),
-            req,
+            parts,
+            body,
         ))
     }
 }
@@ -135,7 +138,8 @@ where
 fn forward<B>(
     shared: Arc<ForwarderShared>,
     client_ip: Option<HeaderValue>,
-    req: Request<RequestBody<B>>,
+    mut parts: http::request::Parts,
+    mut body: RequestBody<B>,
 ) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>>
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
@@ -144,7 +148,6 @@ where
     async move {
         let shared = &*shared;
         let client_ip = client_ip.as_ref();
-        let (mut parts, mut body) = req.into_parts();
         let client_version = parts.version;
         let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
             // Only a target that cannot be joined to the base path gets here; nothing was sent.

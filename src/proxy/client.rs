@@ -104,7 +104,9 @@ enum Framing {
     UntilClose,
 }
 
-/// One keep-alive HTTP/1.1 connection to the upstream.
+/// One keep-alive HTTP/1.1 connection to the upstream. Held boxed everywhere (the pool, the
+/// exchange, the body reader): it goes from one to the next with every request, and each
+/// response the proxy relays carries it, so moving it is moving a pointer, not 120 bytes.
 #[derive(Debug)]
 pub struct Connection {
     io: TcpStream,
@@ -843,7 +845,7 @@ fn asks_to_close(headers: &HeaderMap) -> bool {
 /// not the whole body: a long stream that keeps sending is never cut).
 #[derive(Debug)]
 pub struct BodyReader {
-    connection: Option<Connection>,
+    connection: Option<Box<Connection>>,
     state: BodyState,
     keep_alive: bool,
     stall: Duration,
@@ -877,7 +879,7 @@ impl BodyReader {
     /// `stall` for each read, and writes `unsent` to the upstream as it reads.
     pub fn new(
         head: &ResponseHead,
-        connection: Connection,
+        connection: Box<Connection>,
         stall: Duration,
         unsent: Option<UnsentBody>,
     ) -> Self {
@@ -913,7 +915,7 @@ impl BodyReader {
 
     /// The connection, once the body has been read to its end, if it can take another
     /// request. Taken once.
-    pub fn take_reusable(&mut self) -> Option<Connection> {
+    pub fn take_reusable(&mut self) -> Option<Box<Connection>> {
         if !self.is_done() || !self.keep_alive {
             return None;
         }
@@ -1190,10 +1192,10 @@ pub(super) mod tests {
         (addr, server)
     }
 
-    async fn connect(addr: SocketAddr) -> Connection {
+    async fn connect(addr: SocketAddr) -> Box<Connection> {
         let stream = TcpStream::connect(addr).await.unwrap();
         stream.set_nodelay(true).unwrap();
-        Connection::new(stream)
+        Box::new(Connection::new(stream))
     }
 
     fn head(method: Method, target: &str) -> request::Parts {

@@ -260,7 +260,7 @@ async fn exchange<B>(
     own: &OwnFields<'_>,
     body: &mut B,
     deadline: tokio::time::Instant,
-) -> Result<(ResponseHead, Connection), SendError>
+) -> Result<(ResponseHead, Box<Connection>), SendError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,

@@ -61,7 +61,7 @@ pub struct Pool {
 }
 
 struct Idle {
-    connection: Connection,
+    connection: Box<Connection>,
     round: u64,
 }
 
@@ -110,7 +110,7 @@ impl Pool {
     }
 
     /// An idle connection the upstream has not closed, if there is one.
-    pub fn take_idle(&self) -> Option<Connection> {
+    pub fn take_idle(&self) -> Option<Box<Connection>> {
         // The most recently used first: its socket is the warmest. Closed ones found on the
         // way are closed after the lock is let go.
         let mut closed = Vec::new();
@@ -128,7 +128,7 @@ impl Pool {
     }
 
     /// Opens a new connection.
-    pub async fn connect(&self) -> Result<Connection, ConnectError> {
+    pub async fn connect(&self) -> Result<Box<Connection>, ConnectError> {
         let connecting = TcpStream::connect((self.host.as_str(), self.port));
         let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
             Ok(Ok(stream)) => stream,
@@ -146,11 +146,11 @@ impl Pool {
             }
         };
         let _ = stream.set_nodelay(true);
-        Ok(Connection::new(stream))
+        Ok(Box::new(Connection::new(stream)))
     }
 
     /// Takes back a connection whose response was read to its end.
-    pub fn put_back(&self, connection: Connection) {
+    pub fn put_back(&self, connection: Box<Connection>) {
         let round = self.round.load(Ordering::Relaxed);
         let mut idle = self.lock();
         if idle.len() < MAX_IDLE {

@@ -10,6 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 
+use crate::response::Outcome;
 use crate::store::BoxError;
 
 pin_project_lite::pin_project! {
@@ -95,6 +96,12 @@ pin_project_lite::pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: ResponseKind<B>,
+        // What the layer decided, carried here on its way out: [`ResponseFuture`] moves it
+        // into the response's extensions, unless the layer was built for the proxy, which
+        // reads it here (an extension costs a map and two boxes per response).
+        //
+        // [`ResponseFuture`]: crate::ResponseFuture
+        outcome: Option<Outcome>,
     }
 }
 
@@ -111,6 +118,7 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(inner: B) -> Self {
         Self {
             kind: ResponseKind::Inner { inner },
+            outcome: None,
         }
     }
 
@@ -119,6 +127,7 @@ impl<B> ResponseBody<B> {
             kind: ResponseKind::Full {
                 data: (!data.is_empty()).then_some(data),
             },
+            outcome: None,
         }
     }
 
@@ -128,7 +137,22 @@ impl<B> ResponseBody<B> {
                 head: Some(head),
                 rest,
             },
+            outcome: None,
         }
+    }
+
+    /// What the layer decided about this response, while the body carries it.
+    #[cfg_attr(not(feature = "proxy"), allow(dead_code))]
+    pub(crate) fn outcome(&self) -> Option<&Outcome> {
+        self.outcome.as_ref()
+    }
+
+    pub(crate) fn set_outcome(&mut self, outcome: Outcome) {
+        self.outcome = Some(outcome);
+    }
+
+    pub(crate) fn take_outcome(&mut self) -> Option<Outcome> {
+        self.outcome.take()
     }
 }
 

@@ -35,6 +35,9 @@ pin_project_lite::pin_project! {
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,
+        // Whether the layer's `Outcome` goes into the response's extensions (always, but for
+        // the proxy's own layer, which reads it from the body).
+        outcome_extension: bool,
     }
 }
 
@@ -49,47 +52,51 @@ pin_project_lite::pin_project! {
 }
 
 impl<F, B, E> ResponseFuture<F, B, E> {
-    pub(crate) fn pass_through(future: F, route: Arc<str>) -> Self {
+    pub(crate) fn pass_through(outcome_extension: bool, future: F, route: Arc<str>) -> Self {
         Self {
             kind: Kind::PassThrough { future, route },
+            outcome_extension,
         }
     }
 
-    pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
+    pub(crate) fn ready(outcome_extension: bool, response: Response<ResponseBody<B>>) -> Self {
         Self {
             kind: Kind::Ready {
                 response: Some(response),
             },
+            outcome_extension,
         }
     }
 
     /// A keyed request: `step` runs in the caller's task; if it leads to work that must
     /// finish, that work runs there too while the caller waits, and is handed to `detach` if
     /// the caller drops this future first.
-    pub(crate) fn keyed(step: BoxStep<B, E>, detach: Detacher<B, E>) -> Self {
+    pub(crate) fn keyed(
+        outcome_extension: bool,
+        step: BoxStep<B, E>,
+        detach: Detacher<B, E>,
+    ) -> Self {
         Self {
             kind: Kind::Keyed { step, detach },
+            outcome_extension,
         }
     }
-}
 
-impl<F, B, E> Future for ResponseFuture<F, B, E>
-where
-    F: Future<Output = Result<Response<B>, E>>,
-{
-    type Output = Answer<B, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll_answer(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer<B, E>>
+    where
+        F: Future<Output = Result<Response<B>, E>>,
+    {
         loop {
             let next = match self.as_mut().project().kind.project() {
                 KindProj::PassThrough { future, route } => {
-                    let mut response = without_owned_headers(ready!(future.poll(cx))?);
-                    response.extensions_mut().insert(Outcome {
+                    let response = without_owned_headers(ready!(future.poll(cx))?);
+                    let mut response = response.map(ResponseBody::inner);
+                    response.body_mut().set_outcome(Outcome {
                         decision: Decision::PassedThrough,
                         route: route.clone(),
                         record: None,
                     });
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    return Poll::Ready(Ok(response));
                 }
                 KindProj::Ready { response } => match response.take() {
                     Some(response) => return Poll::Ready(Ok(response)),
@@ -108,6 +115,26 @@ where
             };
             self.as_mut().project().kind.set(next);
         }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Answer<B, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let answer = ready!(self.as_mut().poll_answer(cx));
+        if !self.outcome_extension {
+            return Poll::Ready(answer);
+        }
+        Poll::Ready(answer.map(|mut response| {
+            if let Some(outcome) = response.body_mut().take_outcome() {
+                response.extensions_mut().insert(outcome);
+            }
+            response
+        }))
     }
 }
 

@@ -118,6 +118,9 @@ pub(crate) struct Shared {
     pub(crate) upstream_timeout: Option<Duration>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) stats: Arc<LayerStats>,
+    /// Whether each response's [`Outcome`](crate::Outcome) goes into its extensions (the
+    /// documented way); the proxy's own layer leaves it on the body, where it reads it.
+    pub(crate) outcome_extension: bool,
 }
 
 impl Shared {
@@ -147,6 +150,7 @@ impl IdempotencyLayer {
                 upstream_timeout: Some(DEFAULT_UPSTREAM_TIMEOUT),
                 on_store_error: OnStoreError::Reject,
                 stats: Arc::default(),
+                outcome_extension: true,
             }),
         }
     }
@@ -194,6 +198,14 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn upstream_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
         self.shared_mut().upstream_timeout = timeout.into();
+        self
+    }
+
+    /// For the proxy, which reads each response's outcome from the body: no extension.
+    #[cfg(feature = "proxy")]
+    #[must_use]
+    pub(crate) fn outcome_on_body_only(mut self) -> Self {
+        self.shared_mut().outcome_extension = false;
         self
     }
 

@@ -83,37 +83,37 @@ where
         let route = self.shared.route_for(req.uri().path()).clone();
         let policy = &route.policy;
         if !policy.methods.contains(req.method()) {
-            return pass_through(&mut inner, req, route);
+            return pass_through(&mut inner, req, route, self.shared.outcome_extension);
         }
         let header_key = match &policy.key {
             KeySource::Header(name) => match key::from_header(req.headers(), name) {
                 Ok(Some(key)) => Some(key),
                 Ok(None) if policy.require_key => {
                     let problem = Problem::missing_key(&policy.key);
-                    return ResponseFuture::ready(answer(
-                        problem,
-                        Decision::MissingKey,
-                        &route,
-                        None,
-                    ));
+                    return ResponseFuture::ready(
+                        self.shared.outcome_extension,
+                        answer(problem, Decision::MissingKey, &route, None),
+                    );
                 }
-                Ok(None) => return pass_through(&mut inner, req, route),
+                Ok(None) => {
+                    return pass_through(&mut inner, req, route, self.shared.outcome_extension);
+                }
                 Err(why) => {
                     let problem = Problem::invalid_key(why);
-                    return ResponseFuture::ready(answer(
-                        problem,
-                        Decision::InvalidKey,
-                        &route,
-                        None,
-                    ));
+                    return ResponseFuture::ready(
+                        self.shared.outcome_extension,
+                        answer(problem, Decision::InvalidKey, &route, None),
+                    );
                 }
             },
             KeySource::JsonPointer(_) => None,
         };
+        let outcome_extension = self.shared.outcome_extension;
         let shared = self.shared.clone();
         // Split here, so the future holds the head once rather than the request and its head.
         let (parts, body) = req.into_parts();
         ResponseFuture::keyed(
+            outcome_extension,
             Box::pin(handle_keyed(shared, route, inner, parts, body, header_key)),
             detach::<ResB, S::Error>,
         )
@@ -139,11 +139,13 @@ fn pass_through<S, ReqB, ResB>(
     inner: &mut S,
     req: Request<ReqB>,
     route: Arc<Route>,
+    outcome_extension: bool,
 ) -> ResponseFuture<S::Future, ResB, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
     ResponseFuture::pass_through(
+        outcome_extension,
         inner.call(req.map(RequestBody::streaming)),
         route.name.clone(),
     )
@@ -170,12 +172,12 @@ fn answer<B>(
 }
 
 fn tag<B>(
-    mut response: Response<B>,
+    mut response: Response<ResponseBody<B>>,
     decision: Decision,
     route: &Route,
     record: Option<Hash256>,
-) -> Response<B> {
-    response.extensions_mut().insert(Outcome {
+) -> Response<ResponseBody<B>> {
+    response.body_mut().set_outcome(Outcome {
         decision,
         route: route.name.clone(),
         record,
@@ -704,7 +706,11 @@ impl Keyed {
         kept
     }
 
-    fn tag<B>(&self, response: Response<B>, decision: Decision) -> Response<B> {
+    fn tag<B>(
+        &self,
+        response: Response<ResponseBody<B>>,
+        decision: Decision,
+    ) -> Response<ResponseBody<B>> {
         tag(response, decision, &self.route, Some(self.record))
     }
 
@@ -1087,6 +1093,38 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         false
+    }
+
+    #[cfg(feature = "proxy")]
+    #[tokio::test]
+    async fn the_outcome_is_an_extension_unless_the_layer_leaves_it_on_the_body() {
+        let upstream = service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+        });
+        let documented = IdempotencyLayer::new(Arc::new(MemoryStore::default())).layer(upstream);
+        let for_proxy = IdempotencyLayer::new(Arc::new(MemoryStore::default()))
+            .outcome_on_body_only()
+            .layer(upstream);
+        let unkeyed = || Request::post("/").body(Full::new(Bytes::new())).unwrap();
+
+        // Keyed and passed through alike: the outcome is in the extensions, not left on the body.
+        for req in [keyed_post(), unkeyed()] {
+            let mut response = documented.clone().oneshot(req).await.unwrap();
+            assert!(response.extensions().get::<Outcome>().is_some());
+            assert!(response.body_mut().take_outcome().is_none());
+        }
+        // The proxy's layer: on the body only.
+        let response = for_proxy.clone().oneshot(keyed_post()).await.unwrap();
+        assert!(response.extensions().get::<Outcome>().is_none());
+        let outcome = response.body().outcome().expect("outcome on the body");
+        assert_eq!(outcome.decision, Decision::Executed);
+        assert_eq!(outcome.record, Some(record()));
+        let response = for_proxy.oneshot(unkeyed()).await.unwrap();
+        assert!(response.extensions().get::<Outcome>().is_none());
+        assert_eq!(
+            response.body().outcome().map(|outcome| outcome.decision),
+            Some(Decision::PassedThrough)
+        );
     }
 
     #[tokio::test]

@@ -162,6 +162,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         // The forwarder bounds each wait on the upstream itself (see `Forwarder::new`); a
         // bound on the whole run would cut a kept response that is still arriving.
         .upstream_timeout(None)
+        // The request log reads each response's outcome from its body.
+        .outcome_on_body_only()
         .on_store_error(match settings.on_store_error {
             StoreErrorPolicy::Reject => OnStoreError::Reject,
             StoreErrorPolicy::Pass => OnStoreError::Pass,
@@ -531,14 +533,20 @@ struct Front<S> {
     activity: Arc<Activity>,
 }
 
-/// A response body the front service can answer a problem with.
+/// A response body the front service can answer a problem with, and that carries the
+/// layer's outcome (the proxy's layer leaves it there instead of in the extensions).
 trait ProblemBody {
     fn problem(body: Bytes) -> Self;
+    fn outcome(&self) -> Option<&Outcome>;
 }
 
 impl<B> ProblemBody for ResponseBody<B> {
     fn problem(body: Bytes) -> Self {
         ResponseBody::full(body)
+    }
+
+    fn outcome(&self) -> Option<&Outcome> {
+        ResponseBody::outcome(self)
     }
 }
 
@@ -661,6 +669,7 @@ pin_project_lite::pin_project! {
 impl<F, B> Future for FrontFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, Infallible>>,
+    B: ProblemBody,
 {
     type Output = Result<Response<B>, Infallible>;
 
@@ -697,14 +706,14 @@ impl RequestLog {
     }
 
     /// Counts the request by route and decision, and writes its log line.
-    fn write<B>(&mut self, response: &Response<B>) {
+    fn write<B: ProblemBody>(&mut self, response: &Response<B>) {
         self.written = true;
         let method = &self.method;
         let path = LoggedPath(self.uri.path());
         let client = self.peer.ip();
         let status = response.status().as_u16();
         let latency_ms = self.latency_ms();
-        let Some(outcome) = response.extensions().get::<Outcome>() else {
+        let Some(outcome) = response.body().outcome() else {
             tracing::info!(%method, %path, status, latency_ms, %client, "request");
             return;
         };

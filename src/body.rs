@@ -212,7 +212,7 @@ pub(crate) enum Capped<B, E> {
 /// cap is refused before anything is read. Trailers are dropped.
 ///
 /// Not an `async fn`: its state would hold the body twice (the argument, and the local it is
-/// moved into as it starts), and a response body the proxy relays is near 200 bytes.
+/// moved into as it starts), and an inner service's response body may be large.
 #[allow(
     clippy::manual_async_fn,
     reason = "an async fn would hold the body twice (above)"

@@ -126,11 +126,11 @@ where
 /// Sends the request upstream and answers with the upstream's response head and a body that
 /// streams the rest, or with a problem response marked with what happened to the request.
 ///
-/// A plain function returning an `async move` block, not an `async fn`, and with the send
-/// written out here rather than in nested `async fn`s: an `async fn` keeps each argument in
-/// its state for its whole life and copies it into a local as it starts, so each level would
-/// hold the request head again and move the next level's future (hundreds of bytes) once
-/// more, on every forwarded request.
+/// A plain function returning an `async move` block, not an `async fn`, that awaits the
+/// exchange itself rather than through another `async fn` around it: an `async fn` keeps each
+/// argument in its state for its whole life and copies it into a local as it starts, so each
+/// level would hold the request head again and move the next level's future (hundreds of
+/// bytes) once more, on every forwarded request.
 #[allow(
     clippy::manual_async_fn,
     reason = "an async fn would hold its arguments twice (above)"

@@ -357,7 +357,7 @@ async fn accept_loop<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
+    B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     loop {
@@ -407,7 +407,7 @@ async fn serve_connection<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + ProblemBody + Send + 'static,
+    B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::clone(&front.activity);
@@ -533,14 +533,15 @@ struct Front<S> {
     activity: Arc<Activity>,
 }
 
-/// A response body the front service can answer a problem with, and that carries the
-/// layer's outcome (the proxy's layer leaves it there instead of in the extensions).
-trait ProblemBody {
+/// What the front service needs of a response body: to answer a problem with one, and to
+/// find the layer's outcome on it (the proxy's layer leaves it there instead of in the
+/// extensions).
+trait FrontBody {
     fn problem(body: Bytes) -> Self;
     fn outcome(&self) -> Option<&Outcome>;
 }
 
-impl<B> ProblemBody for ResponseBody<B> {
+impl<B> FrontBody for ResponseBody<B> {
     fn problem(body: Bytes) -> Self {
         ResponseBody::full(body)
     }
@@ -589,7 +590,7 @@ where
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: ProblemBody + Send + 'static,
+    B: FrontBody + Send + 'static,
 {
     type Response = Response<B>;
     type Error = Infallible;
@@ -669,7 +670,7 @@ pin_project_lite::pin_project! {
 impl<F, B> Future for FrontFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, Infallible>>,
-    B: ProblemBody,
+    B: FrontBody,
 {
     type Output = Result<Response<B>, Infallible>;
 
@@ -706,7 +707,7 @@ impl RequestLog {
     }
 
     /// Counts the request by route and decision, and writes its log line.
-    fn write<B: ProblemBody>(&mut self, response: &Response<B>) {
+    fn write<B: FrontBody>(&mut self, response: &Response<B>) {
         self.written = true;
         let method = &self.method;
         let path = LoggedPath(self.uri.path());

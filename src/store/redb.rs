@@ -1606,8 +1606,12 @@ mod tests {
         }
     }
 
+    /// A fresh file path in the tests' directory, which is made if missing (some tests open
+    /// the file directly, without the store, which would make it).
     fn temp_path(label: &str) -> std::path::PathBuf {
-        std::env::temp_dir().join("idemgate-tests").join(format!(
+        let dir = std::env::temp_dir().join("idemgate-tests");
+        std::fs::create_dir_all(&dir).expect("the tests' directory can be made");
+        dir.join(format!(
             "unit-{label}-{}-{}.redb",
             std::process::id(),
             OwnerToken::generate().0

@@ -34,6 +34,7 @@ pub mod record;
 pub mod response;
 mod service;
 pub mod store;
+mod ticker;
 
 pub(crate) use error_chain::ErrorChain;
 pub use future::ResponseFuture;

@@ -608,7 +608,7 @@ impl Keyed {
         let lease = self.route.policy.lease;
         let record = &self.record;
         loop {
-            tokio::time::sleep(lease / 3).await;
+            crate::ticker::sleep(lease / 3).await;
             let renewal = self.store_call(self.shared.store.renew(record, token, lease));
             match renewal.await {
                 Ok(Transition::Applied) => {}

@@ -776,9 +776,10 @@ async fn lapsed_lease_under_api_becomes_ambiguous() {
     assert_eq!(up.calls(), 0);
 }
 
-#[tokio::test]
-async fn lease_is_renewed_while_a_slow_request_runs() {
-    let layer = memory_layer().default_route(RoutePolicy::api().lease(Duration::from_millis(300)));
+/// Holds a request with a `lease` for `held` (longer than the lease), checks that a retry
+/// meanwhile finds it still in flight, then lets it finish and checks the retry's replay.
+async fn lease_outlives_a_slow_request(lease: Duration, held: Duration) {
+    let layer = memory_layer().default_route(RoutePolicy::api().lease(lease));
     let gate = Arc::new(Notify::new());
     let up = Arc::new(Upstream {
         gate: Some(gate.clone()),
@@ -786,7 +787,7 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
     });
     let first = spawn_send(&layer, &up);
     wait_for_calls(&up, 1).await;
-    tokio::time::sleep(Duration::from_millis(1200)).await; // several leases long
+    tokio::time::sleep(held).await;
     let during = send(&layer, &up, post(Some("k"), "{}")).await;
     assert_eq!(
         during.decision,
@@ -799,6 +800,18 @@ async fn lease_is_renewed_while_a_slow_request_runs() {
         send(&layer, &up, post(Some("k"), "{}")).await.decision,
         Decision::Replayed
     );
+}
+
+#[tokio::test]
+async fn lease_is_renewed_while_a_slow_request_runs() {
+    // Renewed every 100 ms by the runtime's timer; held several leases long.
+    lease_outlives_a_slow_request(Duration::from_millis(300), Duration::from_millis(1200)).await;
+}
+
+#[tokio::test]
+async fn a_long_lease_is_renewed_by_the_shared_ticker() {
+    // Renewed every 2 s, the shortest wait the shared ticker takes; held past the lease.
+    lease_outlives_a_slow_request(Duration::from_secs(6), Duration::from_millis(7500)).await;
 }
 
 #[tokio::test]

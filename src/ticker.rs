@@ -152,10 +152,13 @@ impl State {
             return;
         };
         self.free.push(slot);
-        if let Some(clock) = self.clock(waiter.runtime) {
+        let idle = self.clock(waiter.runtime).is_none_or(|clock| {
             clock.waiting -= 1;
+            clock.waiting == 0 && !clock.ticking
+        });
+        if idle {
+            self.drop_idle_clock(waiter.runtime);
         }
-        self.drop_idle_clock(waiter.runtime);
     }
 
     /// Takes the wakers of the runtime's waiters that `due` says are due.

@@ -8,6 +8,16 @@
 # Settings (environment):
 #   DURATION=5       seconds of counted load per case     CONNECTIONS=8   wrk connections
 #   SERVER_CPU=0     core for the servers                 LOAD_CPU=1      core for wrk
+#   WARMUP=2         seconds of load before counting      RECORD_TTL=5s   ttl of new keys' records
+#   CACHE=0          1: also simulate the data caches and count the misses per request
+#
+# With CACHE=1 callgrind simulates a 32 KiB first-level data cache and a 512 KiB, 8-way last
+# level (this machine's second level per core, past which a load goes to the shared L3 or to
+# memory) and the table adds the data misses of that last level per request, for
+# memory-layout changes that instructions do not show. It moves more than the instruction
+# count between runs (the store's size and the sweeps' timing follow callgrind's pace; see
+# BENCHMARKS.md). Under callgrind the gateway serves a few hundred to a few thousand
+# requests a second, so the memory store holds about RECORD_TTL times that many records.
 #
 # Cases: the benchmark upstream alone (a bare hyper server: the floor for any hyper-based
 # proxy), and idemgate with the memory store for pass-through, new keys and replays. Only the
@@ -26,16 +36,22 @@ NAME=instructions
 . "$ROOT/scripts/lib.sh"
 
 DURATION=${DURATION:-5}
+WARMUP=${WARMUP:-2}
+RECORD_TTL=${RECORD_TTL:-5s}
+CACHE=${CACHE:-0}
 CONNECTIONS=${CONNECTIONS:-8}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 
+[[ "$WARMUP" =~ ^[1-9][0-9]*$ ]] || die "WARMUP must be a whole number of seconds, not '$WARMUP'"
+[[ "$CACHE" =~ ^[01]$ ]] || die "CACHE must be 0 or 1, not '$CACHE'"
 need_tools valgrind:valgrind wrk:wrk taskset:util-linux
 
 build_release
 PIN=(taskset -c "$SERVER_CPU")
 LOAD=(taskset -c "$LOAD_CPU" wrk -t1 -c"$CONNECTIONS")
 CALLGRIND=(valgrind -q --tool=callgrind --instr-atstart=no)
+[ "$CACHE" = 1 ] && CALLGRIND+=(--cache-sim=yes --D1=32768,8,64 --LL=524288,8,64)
 
 # Instructions in a callgrind dump: all of them, and those of the SHA-256 compression
 # function with everything it calls (its largest inclusive count).
@@ -46,8 +62,14 @@ count() {
         END { printf "%d %d\n", total, sha }'
 }
 
+# Last-level data misses (reads and writes) in a callgrind dump made with CACHE=1.
+misses() {
+    callgrind_annotate --auto=no --show=DLmr,DLmw "$1" 2>/dev/null | awk '
+        /PROGRAM TOTALS/ { gsub(/\([^)]*\)/, ""); gsub(",", ""); print $1 + $2 }'
+}
+
 # A warm-up run, uncounted.
-warm_up() { "${LOAD[@]}" -d2s -s "$ROOT/scripts/$2.lua" "$1" -- warm >/dev/null; }
+warm_up() { "${LOAD[@]}" -d"${WARMUP}s" -s "$ROOT/scripts/$2.lua" "$1" -- warm >/dev/null; }
 
 # Switches counting on for one wrk run against URL with SCRIPT, then dumps; prints the dump.
 measure() {
@@ -71,7 +93,10 @@ ROWS="$TMP/rows"
 row() { # label requests dump
     read -r total sha < <(count "$3")
     [ "$2" -gt 0 ] || die "no requests counted for $1"
-    printf '%s\t%d\t%d\t%d\n' "$1" "$2" $((total / $2)) $(((total - sha) / $2)) >>"$ROWS"
+    local missed=""
+    [ "$CACHE" = 1 ] && missed=$(awk -v m="$(misses "$3")" -v n="$2" 'BEGIN {printf "%.1f", m / n}')
+    printf '%s\t%d\t%d\t%d\t%s\n' "$1" "$2" $((total / $2)) $(((total - sha) / $2)) "$missed" \
+        >>"$ROWS"
     log "$(printf '%-26s %8d requests %8d instructions/request' "$1" "$2" $((total / $2)))"
 }
 
@@ -88,7 +113,7 @@ stop_pid "$FLOOR_PID"
 
 # --- idemgate, memory store ----------------------------------------------------------------
 start_upstream "$SERVER_CPU"
-write_gateway_config 5s
+write_gateway_config "$RECORD_TTL"
 
 # Requests idemgate has answered so far, from its admin endpoint.
 answered() {
@@ -118,6 +143,12 @@ for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
     rm -f "$TMP"/cg."$pid"*
 done
 
-echo "| case | requests counted | instructions / request | outside SHA-256 compression |"
-echo "| --- | ---: | ---: | ---: |"
-awk -F'\t' '{printf "| %s | %d | %d | %d |\n", $1, $2, $3, $4}' "$ROWS"
+if [ "$CACHE" = 1 ]; then
+    echo "| case | requests counted | instructions / request | outside SHA-256 compression | last-level data misses / request |"
+    echo "| --- | ---: | ---: | ---: | ---: |"
+    awk -F'\t' '{printf "| %s | %d | %d | %d | %s |\n", $1, $2, $3, $4, $5}' "$ROWS"
+else
+    echo "| case | requests counted | instructions / request | outside SHA-256 compression |"
+    echo "| --- | ---: | ---: | ---: |"
+    awk -F'\t' '{printf "| %s | %d | %d | %d |\n", $1, $2, $3, $4}' "$ROWS"
+fi

@@ -38,15 +38,7 @@ static TICKERS: Tickers = Tickers::new(TICK);
 /// A future that is ready once `duration` has passed (up to one [`TICK`] sooner for waits of
 /// [`COARSE_MIN`] or longer).
 pub(crate) fn sleep(duration: Duration) -> Sleep {
-    match (duration >= COARSE_MIN)
-        .then(|| Wait::new(&TICKERS, duration))
-        .flatten()
-    {
-        Some(wait) => Sleep::Coarse { wait },
-        None => Sleep::Precise {
-            sleep: tokio::time::sleep(duration),
-        },
-    }
+    Sleep::on(&TICKERS, duration)
 }
 
 pin_project_lite::pin_project! {
@@ -58,15 +50,49 @@ pin_project_lite::pin_project! {
     }
 }
 
+impl Sleep {
+    fn on(tickers: &'static Tickers, duration: Duration) -> Self {
+        match (duration >= COARSE_MIN)
+            .then(|| Wait::new(tickers, duration))
+            .flatten()
+        {
+            Some(wait) => Sleep::Coarse { wait },
+            None => Sleep::Precise {
+                sleep: tokio::time::sleep(duration),
+            },
+        }
+    }
+}
+
 impl Future for Sleep {
     type Output = ();
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        match self.project() {
-            SleepProj::Coarse { wait } => wait.poll(cx),
-            SleepProj::Precise { sleep } => sleep.poll(cx),
-        }
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let left = match self.as_mut().project() {
+            SleepProj::Precise { sleep } => return sleep.poll(cx),
+            SleepProj::Coarse { wait } => match wait.poll_wait(cx) {
+                Waited::Done => return Poll::Ready(()),
+                Waited::Pending => return Poll::Pending,
+                Waited::NoTicker { left } => left,
+            },
+        };
+        // The runtime's ticker cannot run: Tokio's timer takes the rest of the wait (and, on
+        // a runtime without timers, fails in this task as it always did).
+        self.set(Sleep::Precise {
+            sleep: tokio::time::sleep(left),
+        });
+        self.poll(cx)
     }
+}
+
+/// What a poll of a [`Wait`] found.
+enum Waited {
+    Done,
+    Pending,
+    /// Its runtime's ticker failed; `left` of the wait is still to go.
+    NoTicker {
+        left: Duration,
+    },
 }
 
 /// Tickers, one per runtime with waiters, and the waiters of all of them.
@@ -94,6 +120,9 @@ struct Clock {
     waiting: usize,
     /// Whether its ticker task is running.
     ticking: bool,
+    /// Whether a ticker task panicked here (a runtime without timers): its waits go to
+    /// Tokio's timer instead, and no ticker is started again.
+    failed: bool,
 }
 
 struct Waiter {
@@ -121,6 +150,7 @@ impl State {
                     now: 0,
                     waiting: 0,
                     ticking: false,
+                    failed: false,
                 });
                 self.clocks.len() - 1
             }
@@ -131,7 +161,7 @@ impl State {
     /// Forgets the runtime's clock if nothing uses it any more.
     fn drop_idle_clock(&mut self, runtime: Id) {
         self.clocks
-            .retain(|c| c.runtime != runtime || c.waiting > 0 || c.ticking);
+            .retain(|c| c.runtime != runtime || c.waiting > 0 || c.ticking || c.failed);
     }
 
     fn insert(&mut self, waiter: Waiter) -> usize {
@@ -154,7 +184,7 @@ impl State {
         self.free.push(slot);
         let idle = self.clock(waiter.runtime).is_none_or(|clock| {
             clock.waiting -= 1;
-            clock.waiting == 0 && !clock.ticking
+            clock.waiting == 0 && !clock.ticking && !clock.failed
         });
         if idle {
             self.drop_idle_clock(waiter.runtime);
@@ -232,6 +262,9 @@ impl Drop for Ticking {
         let mut state = lock(&self.tickers.state);
         if let Some(clock) = state.clock(self.runtime) {
             clock.ticking = false;
+            // Dropped while unwinding: the task panicked, which it only does when it cannot
+            // make its timer.
+            clock.failed |= std::thread::panicking();
         }
         state.take_due(self.runtime, |_| true, &mut left);
         state.drop_idle_clock(self.runtime);
@@ -273,17 +306,15 @@ impl Wait {
     }
 }
 
-impl Future for Wait {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+impl Wait {
+    fn poll_wait(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Waited {
         // The first poll is on the runtime it was made on; a later one looks (a future may be
         // moved to another runtime, or polled outside any: then it ends now rather than never).
         let id = match self.listed {
             None => self.made_on,
             Some(_) => match Handle::try_current() {
                 Ok(runtime) => runtime.id(),
-                Err(_) => return Poll::Ready(()),
+                Err(_) => return Waited::Done,
             },
         };
         let tickers = self.tickers;
@@ -319,10 +350,20 @@ impl Future for Wait {
             }
         };
         let Some(clock) = state.clock(id) else {
-            return Poll::Ready(());
+            return Waited::Done;
         };
         if clock.now >= listed.due {
-            return Poll::Ready(());
+            return Waited::Done;
+        }
+        if clock.failed {
+            let left = listed.due - clock.now;
+            state.remove(listed.slot);
+            self.listed = None;
+            let left = self
+                .tickers
+                .tick
+                .saturating_mul(u32::try_from(left).unwrap_or(u32::MAX));
+            return Waited::NoTicker { left };
         }
         // Its runtime has no ticker: one is started there, once the lock is let go (a task
         // refused by a runtime shutting down is dropped at once, and its guard takes the lock).
@@ -332,7 +373,7 @@ impl Future for Wait {
             let Ok(runtime) = Handle::try_current() else {
                 state.remove(listed.slot);
                 self.listed = None;
-                return Poll::Ready(());
+                return Waited::Done;
             };
             clock.ticking = true;
             Some(runtime)
@@ -349,7 +390,7 @@ impl Future for Wait {
         if let Some(runtime) = start {
             runtime.spawn(tickers.run(id));
         }
-        Poll::Pending
+        Waited::Pending
     }
 }
 
@@ -366,6 +407,19 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    /// In tests a wait is awaited directly: done when its ticks have passed, or when its
+    /// ticker fails.
+    impl Future for Wait {
+        type Output = ();
+
+        fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+            match self.poll_wait(cx) {
+                Waited::Pending => Poll::Pending,
+                Waited::Done | Waited::NoTicker { .. } => Poll::Ready(()),
+            }
+        }
+    }
 
     /// Tickers of their own with a short tick.
     fn tickers(tick: Duration) -> &'static Tickers {
@@ -526,6 +580,47 @@ mod tests {
         let _on = handle.enter();
         assert!(poll_once(wait.as_mut()).is_pending());
         assert!(lock(&tickers.state).clocks.iter().all(|c| !c.ticking));
+    }
+
+    /// On a runtime without timers the ticker task panics as it makes its interval; the wait
+    /// then goes to Tokio's timer, which fails in the waiter's own task as a runtime timer
+    /// always did there, and no ticker is started again.
+    #[test]
+    fn on_a_runtime_without_timers_a_wait_fails_in_its_own_task_once() {
+        let tickers = tickers(Duration::from_millis(5));
+        // On a thread of its own: a ticker started again and again would never let it end.
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let sleep = |duration| {
+                let _on = runtime.enter();
+                Sleep::Coarse {
+                    wait: Wait::new(tickers, duration).unwrap(),
+                }
+            };
+            let waits = [
+                sleep(Duration::from_secs(3600)),
+                sleep(Duration::from_secs(60)),
+            ];
+            let failed = waits.map(|wait| {
+                let outcome = runtime.block_on(async { tokio::spawn(wait).await });
+                outcome.is_err_and(|error| error.is_panic())
+            });
+            let _ = done.send(failed);
+        });
+        let failed = ended
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the waits end rather than start tickers forever");
+        assert_eq!(failed, [true, true], "each waiter's own task fails");
+        assert!(
+            lock(&tickers.state)
+                .clocks
+                .iter()
+                .all(|c| c.failed && !c.ticking)
+        );
+        assert_eq!(waiting(tickers), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -125,6 +125,13 @@ struct Clock {
     failed: bool,
 }
 
+impl Clock {
+    /// Whether nothing uses it: no waiter, no ticker, no failure to remember.
+    fn idle(&self) -> bool {
+        self.waiting == 0 && !self.ticking && !self.failed
+    }
+}
+
 struct Waiter {
     runtime: Id,
     /// The tick of its runtime's clock at which it is due.
@@ -160,8 +167,7 @@ impl State {
 
     /// Forgets the runtime's clock if nothing uses it any more.
     fn drop_idle_clock(&mut self, runtime: Id) {
-        self.clocks
-            .retain(|c| c.runtime != runtime || c.waiting > 0 || c.ticking || c.failed);
+        self.clocks.retain(|c| c.runtime != runtime || !c.idle());
     }
 
     fn insert(&mut self, waiter: Waiter) -> usize {
@@ -184,7 +190,7 @@ impl State {
         self.free.push(slot);
         let idle = self.clock(waiter.runtime).is_none_or(|clock| {
             clock.waiting -= 1;
-            clock.waiting == 0 && !clock.ticking && !clock.failed
+            clock.idle()
         });
         if idle {
             self.drop_idle_clock(waiter.runtime);
@@ -281,15 +287,8 @@ pub(crate) struct Wait {
     made_on: Id,
     /// Whole ticks to wait, counted from the first poll.
     ticks: u64,
-    /// Where it is listed, once it is.
-    listed: Option<Listed>,
-}
-
-#[derive(Clone, Copy)]
-struct Listed {
-    runtime: Id,
-    due: u64,
-    slot: usize,
+    /// Its slot in the list, once it is listed (the slot holds its runtime and due tick).
+    listed: Option<usize>,
 }
 
 impl Wait {
@@ -304,9 +303,7 @@ impl Wait {
             listed: None,
         })
     }
-}
 
-impl Wait {
     fn poll_wait(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Waited {
         // The first poll is on the runtime it was made on; a later one looks (a future may be
         // moved to another runtime, or polled outside any: then it ends now rather than never).
@@ -319,16 +316,20 @@ impl Wait {
         };
         let tickers = self.tickers;
         let mut state = lock(&tickers.state);
-        let listed = match self.listed {
-            Some(listed) if listed.runtime == id => listed,
+        let found = self.listed.and_then(|slot| {
+            let waiter = state.slots.get(slot)?.as_ref()?;
+            Some((slot, waiter.runtime, waiter.due))
+        });
+        let (slot, due) = match found {
+            Some((slot, runtime, due)) if runtime == id => (slot, due),
             earlier => {
                 // Not listed yet, or listed on another runtime's clock: (re)list here, for
                 // the ticks it still has to wait.
                 let left = match earlier {
-                    Some(earlier) => {
-                        let then = state.clock(earlier.runtime).map_or(0, |c| c.now);
-                        state.remove(earlier.slot);
-                        earlier.due.saturating_sub(then)
+                    Some((slot, runtime, due)) => {
+                        let then = state.clock(runtime).map_or(0, |c| c.now);
+                        state.remove(slot);
+                        due.saturating_sub(then)
                     }
                     None => self.ticks,
                 };
@@ -340,29 +341,23 @@ impl Wait {
                     due,
                     waker: None,
                 });
-                let listed = Listed {
-                    runtime: id,
-                    due,
-                    slot,
-                };
-                self.listed = Some(listed);
-                listed
+                self.listed = Some(slot);
+                (slot, due)
             }
         };
         let Some(clock) = state.clock(id) else {
             return Waited::Done;
         };
-        if clock.now >= listed.due {
+        if clock.now >= due {
             return Waited::Done;
         }
         if clock.failed {
-            let left = listed.due - clock.now;
-            state.remove(listed.slot);
-            self.listed = None;
-            let left = self
-                .tickers
+            let left = due - clock.now;
+            let left = tickers
                 .tick
                 .saturating_mul(u32::try_from(left).unwrap_or(u32::MAX));
+            self.listed = None;
+            state.remove(slot);
             return Waited::NoTicker { left };
         }
         // Its runtime has no ticker: one is started there, once the lock is let go (a task
@@ -371,14 +366,14 @@ impl Wait {
             None
         } else {
             let Ok(runtime) = Handle::try_current() else {
-                state.remove(listed.slot);
                 self.listed = None;
+                state.remove(slot);
                 return Waited::Done;
             };
             clock.ticking = true;
             Some(runtime)
         };
-        if let Some(Some(waiter)) = state.slots.get_mut(listed.slot)
+        if let Some(Some(waiter)) = state.slots.get_mut(slot)
             && !waiter
                 .waker
                 .as_ref()
@@ -396,8 +391,8 @@ impl Wait {
 
 impl Drop for Wait {
     fn drop(&mut self) {
-        if let Some(listed) = self.listed {
-            lock(&self.tickers.state).remove(listed.slot);
+        if let Some(slot) = self.listed {
+            lock(&self.tickers.state).remove(slot);
         }
     }
 }

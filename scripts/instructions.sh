@@ -8,8 +8,9 @@
 # Settings (environment):
 #   DURATION=5       seconds of counted load per case     CONNECTIONS=8   wrk connections
 #   SERVER_CPU=0     core for the servers                 LOAD_CPU=1      core for wrk
-#   WARMUP=2         seconds of load before counting      RECORD_TTL=5s   ttl of new keys' records
+#   WARMUP=6         seconds of load before counting      RECORD_TTL=5s   ttl of new keys' records
 #   CACHE=0          1: also simulate the data caches and count the misses per request
+#   KEEP=            a directory: keep each case's callgrind dump there, for callgrind_annotate
 #
 # With CACHE=1 callgrind simulates a 32 KiB first-level data cache and a 512 KiB, 8-way last
 # level (this machine's second level per core, past which a load goes to the shared L3 or to
@@ -18,6 +19,12 @@
 # count between runs (the store's size and the sweeps' timing follow callgrind's pace; see
 # BENCHMARKS.md). Under callgrind the gateway serves a few hundred to a few thousand
 # requests a second, so the memory store holds about RECORD_TTL times that many records.
+#
+# The warm-up runs under full instrumentation too (its counts are dumped and dropped before
+# the measured run), so records are made at the measured pace from the start. With WARMUP at least
+# RECORD_TTL, the memory store is at its steady size when counting starts and removes about
+# as many expired records as new keys add; a warm-up without instrumentation runs several
+# times faster, and the counted run would then also sweep the surplus of records made then.
 #
 # Cases: the benchmark upstream alone (a bare hyper server: the floor for any hyper-based
 # proxy), and idemgate with the memory store for pass-through, new keys and replays. Only the
@@ -36,15 +43,17 @@ NAME=instructions
 . "$ROOT/scripts/lib.sh"
 
 DURATION=${DURATION:-5}
-WARMUP=${WARMUP:-2}
+WARMUP=${WARMUP:-6}
 RECORD_TTL=${RECORD_TTL:-5s}
 CACHE=${CACHE:-0}
+KEEP=${KEEP:-}
 CONNECTIONS=${CONNECTIONS:-8}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 
 [[ "$WARMUP" =~ ^[1-9][0-9]*$ ]] || die "WARMUP must be a whole number of seconds, not '$WARMUP'"
 [[ "$CACHE" =~ ^[01]$ ]] || die "CACHE must be 0 or 1, not '$CACHE'"
+[ -z "$KEEP" ] || mkdir -p "$KEEP" || die "cannot make the KEEP directory '$KEEP'"
 need_tools valgrind:valgrind wrk:wrk taskset:util-linux
 
 build_release
@@ -68,23 +77,44 @@ misses() {
         /PROGRAM TOTALS/ { gsub(/\([^)]*\)/, ""); gsub(",", ""); print $1 + $2 }'
 }
 
-# A warm-up run, uncounted.
-warm_up() { "${LOAD[@]}" -d"${WARMUP}s" -s "$ROOT/scripts/$2.lua" "$1" -- warm >/dev/null; }
-
-# Switches counting on for one wrk run against URL with SCRIPT, then dumps; prints the dump.
-measure() {
-    local pid=$1 url=$2 script=$3 out=$4
+# A warm-up run of server PID against URL with SCRIPT, under instrumentation (at the pace of
+# the measured run); measure() drops its counts.
+warm_up() {
+    local pid=$1 url=$2 script=$3
     callgrind_control -i on "$pid" >/dev/null 2>&1
+    "${LOAD[@]}" -d"${WARMUP}s" -s "$ROOT/scripts/$script.lua" "$url" -- warm >/dev/null
+}
+
+# The first dump callgrind writes for PID from now (each dump holds the counts since the one
+# before); waits for it.
+next_dump() {
+    local pid=$1 dump
+    for _ in $(seq 1 50); do
+        dump=$(ls "$TMP"/cg."$pid".* 2>/dev/null | head -1 || true)
+        [ -n "$dump" ] && { echo "$dump"; return 0; }
+        sleep 0.1
+    done
+    die "callgrind wrote no dump for pid $pid"
+}
+
+# Dumps and drops the warm-up's counts, counts one wrk run against URL with SCRIPT, then
+# dumps; prints that dump (and keeps a copy named NAME.callgrind in KEEP, when set).
+measure() {
+    local pid=$1 url=$2 script=$3 out=$4 name=$5 dump
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    rm -f "$(next_dump "$pid")"
     "${LOAD[@]}" -d"${DURATION}s" -s "$ROOT/scripts/$script.lua" "$url" -- "run$RANDOM" >"$out"
     callgrind_control -i off "$pid" >/dev/null 2>&1
     callgrind_control -d "$pid" >/dev/null 2>&1
-    local dump
-    for _ in $(seq 1 50); do
-        dump=$(ls "$TMP"/cg."$pid".* 2>/dev/null | head -1 || true)
-        [ -n "$dump" ] && break
-        sleep 0.1
-    done
-    [ -n "$dump" ] || die "callgrind wrote no dump for pid $pid"
+    dump=$(next_dump "$pid")
+    # In a dump after the first, callgrind 3.19 writes a wrong `summary:` line (a negative
+    # count, printed as a number near 2^64); its `totals:` line holds the dump's counts, and
+    # callgrind_annotate reads the summary.
+    local totals
+    totals=$(sed -n 's/^totals: //p' "$dump")
+    [ -n "$totals" ] || die "callgrind dump $dump has no totals"
+    sed -i "s/^summary: .*/summary: $totals/" "$dump"
+    [ -z "$KEEP" ] || cp "$dump" "$KEEP/$name.callgrind"
     echo "$dump"
 }
 
@@ -105,8 +135,8 @@ row() { # label requests dump
     "$BIN/examples/bench_upstream" 127.0.0.1:0 >"$TMP/floor.out" 2>&1 &
 PIDS+=($!); FLOOR_PID=$!
 FLOOR=$(wait_line "$TMP/floor.out" '^[0-9.]+:[0-9]+$' "the upstream under callgrind")
-warm_up "http://$FLOOR/v1/payments" post
-dump=$(measure "$FLOOR_PID" "http://$FLOOR/v1/payments" post "$TMP/wrk-floor.out")
+warm_up "$FLOOR_PID" "http://$FLOOR/v1/payments" post
+dump=$(measure "$FLOOR_PID" "http://$FLOOR/v1/payments" post "$TMP/wrk-floor.out" upstream)
 requests=$(awk '/requests in/ {print $1}' "$TMP/wrk-floor.out")
 row "upstream alone (hyper)" "$requests" "$dump"
 stop_pid "$FLOOR_PID"
@@ -134,9 +164,9 @@ for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
     admin=$(echo "$line" | awk '{print $6}')
     # The warm-up's requests are counted by idemgate but not by callgrind: read the counter
     # around the measured run only.
-    warm_up "http://$gateway$path" "$script"
+    warm_up "$pid" "http://$gateway$path" "$script"
     before=$(answered "$admin")
-    dump=$(measure "$pid" "http://$gateway$path" "$script" "$TMP/wrk.out")
+    dump=$(measure "$pid" "http://$gateway$path" "$script" "$TMP/wrk.out" "${label// /-}")
     after=$(answered "$admin")
     row "idemgate $label" $((after - before)) "$dump"
     stop_pid "$pid"

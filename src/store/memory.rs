@@ -28,6 +28,11 @@ const SWEEP_BATCH: usize = 1024;
 /// background sweeper (made outside a runtime) still reclaims its space: at least as many as
 /// one call can add.
 const INLINE_SWEEP: usize = 4;
+/// Replays of a record that each decode it: the next one keeps its decoded response with the
+/// record, for every later replay to share. Most keys are retried once or twice, and their
+/// records keep only their encoded bytes; a key replayed more often (a redelivery storm, a
+/// client retrying in a loop) is answered without a decode each time.
+const DECODES_BEFORE_KEEPING: u8 = 2;
 
 /// How a [`MemoryStore`] is sized.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,7 +78,9 @@ impl Default for MemoryStoreConfig {
 ///
 /// Each record is held once, in a slot of its shard's slab (key, fingerprint, state, times:
 /// 128 bytes) plus its encoded completion; the key and expiry indexes name the slot by number
-/// and never repeat the key.
+/// and never repeat the key. A record replayed more than twice also keeps its decoded
+/// response (a header map whose values are views into the encoded bytes), so later replays
+/// share it instead of decoding the record each time.
 #[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
@@ -111,15 +118,27 @@ enum State {
         lease_deadline: Tick,
     },
     Completed {
-        /// [`Completion::encode`]d: one allocation holding exactly the record's bytes. A
-        /// decoded response would hold a header map (several allocations) and, for a response
-        /// read from a connection, views that keep the whole read buffer alive.
-        completion: Bytes,
+        completion: Kept,
         stored_at: Tick,
+        /// The replays that decoded an encoded `completion`, up to [`DECODES_BEFORE_KEEPING`].
+        decodes: u8,
     },
     Ambiguous {
         since: Tick,
     },
+}
+
+/// A completed record's response as the store keeps it.
+#[derive(Clone)]
+enum Kept {
+    /// [`Completion::encode`]d: one allocation holding exactly the record's bytes. A decoded
+    /// response would hold a header map (several allocations) and, for a response read from
+    /// a connection, views that keep the whole read buffer alive.
+    Encoded(Bytes),
+    /// Decoded, once the record has been replayed often (see [`DECODES_BEFORE_KEEPING`]), and
+    /// shared with every later replay. Its header values and body are views into the encoded
+    /// bytes, which it keeps alive in their place.
+    Decoded(Arc<Completion>),
 }
 
 impl Default for MemoryStore {
@@ -250,7 +269,7 @@ impl Inner {
 
     /// One attempt at a claim; `None` when it needs a new record and the store is full. A
     /// completed record's encoded completion is returned as is, to be decoded outside the
-    /// shard's lock.
+    /// shard's lock, until the record keeps its decoded response (see [`replay`]).
     fn try_claim(
         &self,
         key: &RecordKey,
@@ -295,7 +314,17 @@ impl Inner {
                 }
                 State::InFlight { .. } => {}
                 _ if !same => return Some(Ok(Claim::Mismatch)),
-                State::Completed { completion, .. } => return Some(Err(completion.clone())),
+                State::Completed {
+                    completion: Kept::Decoded(decoded),
+                    ..
+                } => return Some(Ok(Claim::Completed(Arc::clone(decoded)))),
+                State::Completed {
+                    completion: Kept::Encoded(encoded),
+                    ..
+                } => {
+                    let encoded = encoded.clone();
+                    return Some(replay(shard, id, encoded));
+                }
                 State::Ambiguous { .. } => return Some(Ok(Claim::Ambiguous)),
             }
             // The lease lapsed: the outcome is unknown.
@@ -342,6 +371,32 @@ impl Inner {
             }
         })
     }
+}
+
+/// A replay of `id`'s completed record, `encoded`, whose decoded response is not kept:
+/// counts it, and answers with `encoded` to decode outside the lock; the replay that finds
+/// [`DECODES_BEFORE_KEEPING`] counted decodes it here and keeps it in the record's place.
+fn replay(shard: &mut Shard, id: Id, encoded: Bytes) -> Result<Claim, Bytes> {
+    let mut kept = None;
+    shard.update(id, |expires, entry| {
+        if let State::Completed {
+            completion,
+            decodes,
+            ..
+        } = &mut entry.state
+        {
+            if *decodes < DECODES_BEFORE_KEEPING {
+                *decodes += 1;
+            } else if let Ok(decoded) = Completion::decode(encoded.clone()) {
+                // A record that does not decode stays as it is: the caller's decode reports it.
+                let decoded = Arc::new(decoded);
+                kept = Some(Arc::clone(&decoded));
+                *completion = Kept::Decoded(decoded);
+            }
+        }
+        expires
+    });
+    kept.map(Claim::Completed).ok_or(encoded)
 }
 
 /// Puts a new record in `id`'s place, to expire at `expires`.
@@ -462,8 +517,9 @@ impl Store for MemoryStore {
         let completion = completion.encode();
         Ok(self.inner.fenced(key, token, |shard, id, now| {
             let state = State::Completed {
-                completion,
+                completion: Kept::Encoded(completion),
                 stored_at: now,
+                decodes: 0,
             };
             set_state(shard, id, now + ttl, state);
         }))
@@ -522,6 +578,7 @@ impl Store for MemoryStore {
                 State::Completed {
                     completion,
                     stored_at,
+                    ..
                 } => Err((
                     fingerprint,
                     completion.clone(),
@@ -536,10 +593,13 @@ impl Store for MemoryStore {
         match record {
             None => Ok(None),
             Some(Ok(record)) => Ok(Some(record)),
-            // Decoded outside the shard's lock.
-            Some(Err((fingerprint, encoded, stored_at))) => Ok(Some(Record::Completed {
+            // Decoded (or copied) outside the shard's lock.
+            Some(Err((fingerprint, kept, stored_at))) => Ok(Some(Record::Completed {
                 fingerprint,
-                completion: decode_completion("memory", encoded)?,
+                completion: match kept {
+                    Kept::Encoded(encoded) => decode_completion("memory", encoded)?,
+                    Kept::Decoded(decoded) => Arc::unwrap_or_clone(decoded),
+                },
                 stored_at,
             })),
         }
@@ -925,5 +985,69 @@ mod tests {
             ["two", "second"]
         );
         assert_eq!(kept.body.as_ref(), br#"{"ok":true}"#);
+    }
+
+    #[tokio::test]
+    async fn a_record_replayed_often_keeps_its_decoded_response() {
+        let store = MemoryStore::with_config(config(10, Duration::from_secs(3600)));
+        let long = opts(Duration::from_secs(60));
+        let response = |body: &'static str| {
+            Completion::Response(crate::record::StoredResponse {
+                status: http::StatusCode::OK,
+                headers: http::HeaderMap::new(),
+                body: Bytes::from_static(body.as_bytes()),
+            })
+        };
+        let complete = async |completion: Completion| {
+            let token = OwnerToken::generate();
+            store.claim(&key(1), &fp(), token, &long).await.unwrap();
+            let done = store
+                .complete(&key(1), token, completion, Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(done, Transition::Applied);
+        };
+        let replay = async || match claim(&store, &key(1), &long).await.unwrap() {
+            Claim::Completed(completion) => completion,
+            other => panic!("not a replay: {other:?}"),
+        };
+
+        complete(response("first")).await;
+        // The first replays each decode a copy of their own.
+        for _ in 0..DECODES_BEFORE_KEEPING {
+            let decoded = replay().await;
+            assert_eq!(*decoded, response("first"));
+            assert_eq!(
+                Arc::strong_count(&decoded),
+                1,
+                "a fresh decode is the caller's alone"
+            );
+        }
+        // The next keeps its decoded response with the record, and every later one shares it.
+        let kept = replay().await;
+        assert_eq!(*kept, response("first"));
+        assert_eq!(Arc::strong_count(&kept), 2, "kept with the record");
+        let again = replay().await;
+        assert!(Arc::ptr_eq(&kept, &again), "a later replay decodes again");
+        match store.get(&key(1)).await.unwrap() {
+            Some(Record::Completed { completion, .. }) => {
+                assert_eq!(completion, response("first"));
+            }
+            other => panic!("not the completed record: {other:?}"),
+        }
+
+        // The kept copy goes with its record: a new record under the key replays its own.
+        assert!(store.delete(&key(1)).await.unwrap());
+        assert_eq!(
+            Arc::strong_count(&kept),
+            2,
+            "the callers' copies outlive the record"
+        );
+        drop(again);
+        assert_eq!(Arc::strong_count(&kept), 1);
+        complete(response("second")).await;
+        for _ in 0..=DECODES_BEFORE_KEEPING + 1 {
+            assert_eq!(*replay().await, response("second"));
+        }
     }
 }

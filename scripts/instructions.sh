@@ -21,10 +21,10 @@
 # requests a second, so the memory store holds about RECORD_TTL times that many records.
 #
 # The warm-up runs under full instrumentation too (its counts are dumped and dropped before
-# the measured run), so records are made at the measured pace from the start. With WARMUP at least
-# RECORD_TTL, the memory store is at its steady size when counting starts and removes about
-# as many expired records as new keys add; a warm-up without instrumentation runs several
-# times faster, and the counted run would then also sweep the surplus of records made then.
+# the measured run), so records are made at the measured pace from the start. With WARMUP
+# at least RECORD_TTL, the memory store is at its steady size when counting starts and
+# removes about as many expired records as new keys add; a warm-up without instrumentation
+# runs several times faster, and the counted run would then also sweep its surplus.
 #
 # Cases: the benchmark upstream alone (a bare hyper server: the floor for any hyper-based
 # proxy), and idemgate with the memory store for pass-through, new keys and replays. Only the

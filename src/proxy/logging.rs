@@ -53,6 +53,18 @@ impl LogBatch {
         write_out(&mut self.lock());
     }
 
+    /// Writes the lines gathered so far and then `message` as a line of its own, all in one
+    /// `write`: for what the binary prints beside its log (the listening line, a fatal
+    /// error), which must come after the log lines before it, and which a script reading the
+    /// output as it grows must never see half-written (`eprintln!` writes each formatted
+    /// piece with a `write` of its own).
+    pub fn print_line(&self, message: fmt::Arguments<'_>) {
+        let mut lines = self.lock();
+        // Writing into a `Vec` cannot fail.
+        let _ = writeln!(&mut *lines, "{message}");
+        write_out(&mut lines);
+    }
+
     /// As [`LogBatch::flush`], but gives up if another thread is writing (for a panic hook,
     /// which may run on a thread that holds the lock).
     fn try_flush(&self) {

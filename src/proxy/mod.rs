@@ -115,8 +115,10 @@ fn check_or_serve(cli: &Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref(), &cli.overrides()) {
         Ok(settings) => settings,
         Err(error) => {
-            logging::STDERR.flush();
-            eprintln!("idemgate: invalid configuration: {}", ErrorChain(&error));
+            logging::STDERR.print_line(format_args!(
+                "idemgate: invalid configuration: {}",
+                ErrorChain(&error)
+            ));
             return ExitCode::from(2);
         }
     };
@@ -148,8 +150,9 @@ fn check_or_serve(cli: &Cli) -> ExitCode {
     let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
-            logging::STDERR.flush();
-            eprintln!("idemgate: cannot start the async runtime: {error}");
+            logging::STDERR.print_line(format_args!(
+                "idemgate: cannot start the async runtime: {error}"
+            ));
             return ExitCode::FAILURE;
         }
     };
@@ -163,8 +166,7 @@ fn check_or_serve(cli: &Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!(error = %ErrorChain(&error), "idemgate could not start");
-            logging::STDERR.flush();
-            eprintln!("idemgate: {}", ErrorChain(&error));
+            logging::STDERR.print_line(format_args!("idemgate: {}", ErrorChain(&error)));
             ExitCode::FAILURE
         }
     }

@@ -4,7 +4,6 @@
 
 use std::convert::Infallible;
 use std::io;
-use std::io::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -199,12 +198,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         })?;
     // A fixed, parseable line for scripts and tests (the log format may be JSON); only
     // messages from opening the store (a redb file's migration) can come before it.
-    // Written in one `write`: a script reading the output file as it grows never sees half
-    // a line (`eprintln!` writes each formatted piece with a write of its own).
-    super::logging::STDERR.flush();
-    let line = format!("idemgate listening on {proxy_addr} admin {admin_addr}\n");
-    // Nothing to do if standard error is gone: the gateway serves without it.
-    let _ = std::io::stderr().write_all(line.as_bytes());
+    super::logging::STDERR.print_line(format_args!(
+        "idemgate listening on {proxy_addr} admin {admin_addr}"
+    ));
     tracing::info!(
         listen = %proxy_addr,
         admin = %admin_addr,

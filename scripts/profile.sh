@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Where the gateway's CPU goes under load: `perf record` on idemgate (memory store) while wrk
-# drives one case, then the hottest symbols, user space and kernel together. Loopback only,
-# bounded duration.
+# Where the gateway's CPU goes under load: `perf record` on idemgate (memory or redb store)
+# while wrk drives one case, then the hottest symbols, user space and kernel together.
+# Loopback only, bounded duration.
 #
 #   scripts/profile.sh                      # new keys, 8 s sampled, top 40 symbols
 #   CASE=replays scripts/profile.sh         # or pass-through
+#   STORE=redb scripts/profile.sh           # the embedded durable store, in a file under /tmp
 #   CALL_GRAPH=1 scripts/profile.sh         # with call stacks (DWARF unwinding), for perf report -G
 #
 # Settings (environment):
 #   CASE=new-keys    pass-through | new-keys | replays       TOP=40      symbols printed
+#   STORE=memory     memory | redb
 #   DURATION=8       seconds sampled                         WARMUP=7    seconds of load before
 #   RECORD_TTL=5s    ttl of new keys' records                CONNECTIONS=64  THREADS=2
 #   SERVER_CPU=0     core for upstream and idemgate          LOAD_CPU=1  core for wrk
 #   FREQUENCY=2999   samples per second                      CALL_GRAPH=0
-#   OUT=target/profile/CASE   where perf.data is kept, for `perf report -i` or `perf annotate -i`
+#   OUT=target/profile/CASE   where perf.data is kept (CASE-redb with STORE=redb), for
+#                             `perf report -i` or `perf annotate -i`
 #
 # The warm-up is longer than the record ttl so the memory store has reached the size it keeps:
 # sampled sooner, the profile shows its slab and index growing (page faults), which a
@@ -34,7 +37,8 @@ LOAD_CPU=${LOAD_CPU:-1}
 FREQUENCY=${FREQUENCY:-2999}
 CALL_GRAPH=${CALL_GRAPH:-0}
 TOP=${TOP:-40}
-OUT=${OUT:-$ROOT/target/profile/$CASE}
+STORE=${STORE:-memory}
+OUT=${OUT:-$ROOT/target/profile/$CASE$([ "$STORE" = memory ] || echo "-$STORE")}
 
 NAME=profile
 # shellcheck source=scripts/lib.sh
@@ -46,6 +50,11 @@ case "$CASE" in
     replays) path=/replay/v1/payments; script=replays ;;
     *) die "CASE must be pass-through, new-keys or replays, not '$CASE'" ;;
 esac
+case "$STORE" in
+    memory) spec=memory ;;
+    redb) spec="redb:$TMP/records.redb" ;;
+    *) die "STORE must be memory or redb, not '$STORE'" ;;
+esac
 [[ "$DURATION" =~ ^[1-9][0-9]*$ ]] || die "DURATION must be a whole number of seconds, not '$DURATION'"
 [[ "$WARMUP" =~ ^[1-9][0-9]*$ ]] || die "WARMUP must be a whole number of seconds, not '$WARMUP'"
 
@@ -55,12 +64,12 @@ build_release
 start_upstream "$SERVER_CPU"
 write_gateway_config "$RECORD_TTL"
 IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --config "$TMP/idemgate.toml" \
-    --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store memory >"$TMP/idemgate.out" 2>&1 &
+    --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$spec" >"$TMP/idemgate.out" 2>&1 &
 PIDS+=($!); GATEWAY_PID=$!
 GATEWAY=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' "idemgate" | awk '{print $4}')
 
 LOAD=(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -s "$ROOT/scripts/$script.lua")
-log "$CASE on $GATEWAY: ${WARMUP}s of warm-up, then ${DURATION}s sampled"
+log "$CASE ($STORE store) on $GATEWAY: ${WARMUP}s of warm-up, then ${DURATION}s sampled"
 "${LOAD[@]}" -d"${WARMUP}s" "http://$GATEWAY$path" -- "warm$RANDOM" >/dev/null
 
 mkdir -p "$OUT"

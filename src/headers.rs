@@ -83,6 +83,18 @@ pub(crate) fn list_elements<'a>(
         .filter(|element| !element.is_empty())
 }
 
+/// Whether `Connection` says `close`. A value that is not text counts as saying it.
+#[cfg(feature = "proxy")]
+pub(crate) fn asks_to_close(headers: &HeaderMap) -> bool {
+    headers.get_all(CONNECTION).iter().any(|value| {
+        value.to_str().map_or(true, |value| {
+            value
+                .split(',')
+                .any(|token| token.trim().eq_ignore_ascii_case("close"))
+        })
+    })
+}
+
 /// Removes hop-by-hop fields: the fixed list and every field named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them; finding that out in one pass over the message's few

@@ -576,6 +576,101 @@ async fn chunked_and_large_bodies_cross_whole_both_ways() {
     );
 }
 
+/// Splits HTTP/1.1 responses read off one connection into heads and bodies, by their
+/// `Content-Length` or their chunked framing.
+fn split_responses(mut bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
+    fn line(bytes: &[u8]) -> (&[u8], &[u8]) {
+        let end = bytes.windows(2).position(|w| w == b"\r\n").expect("a line");
+        (&bytes[..end], &bytes[end + 2..])
+    }
+    let mut responses = Vec::new();
+    while !bytes.is_empty() {
+        let end = bytes
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head");
+        let head = String::from_utf8_lossy(&bytes[..end]).to_lowercase();
+        bytes = &bytes[end + 4..];
+        let mut body = Vec::new();
+        if let Some(length) = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+        {
+            let length: usize = length.parse().unwrap();
+            body.extend_from_slice(&bytes[..length]);
+            bytes = &bytes[length..];
+        } else if head.contains("transfer-encoding: chunked") {
+            loop {
+                let (size, rest) = line(bytes);
+                let size = usize::from_str_radix(std::str::from_utf8(size).unwrap(), 16).unwrap();
+                body.extend_from_slice(&rest[..size]);
+                bytes = &rest[size + 2..];
+                if size == 0 {
+                    break;
+                }
+            }
+        }
+        responses.push((head, body));
+    }
+    responses
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_connection_carries_plain_requests_then_the_rest_through_hyper() {
+    let s = setup().await;
+    // Pipelined on one connection: three plain requests (served by the gateway's own HTTP/1.1
+    // loop: an answer that comes chunked from the upstream, a keyed request and its replay),
+    // a chunked request (the connection goes to hyper with what was read), then a plain
+    // request that asks to close, which hyper now serves.
+    let request = b"POST /stream/own HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc\
+POST /own HTTP/1.1\r\nHost: x\r\nIdempotency-Key: own-1\r\nContent-Length: 3\r\n\r\nabc\
+POST /own HTTP/1.1\r\nHost: x\r\nIdempotency-Key: own-1\r\nContent-Length: 3\r\n\r\nabc\
+POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n\
+POST /plain HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi";
+    let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, request)
+        .await
+        .unwrap();
+    let mut bytes = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut bytes),
+    )
+    .await
+    .expect("the connection closed after the last response")
+    .unwrap();
+    let responses = split_responses(&bytes);
+    assert_eq!(responses.len(), 5, "{}", String::from_utf8_lossy(&bytes));
+    for (head, _) in &responses {
+        assert!(head.starts_with("http/1.1 201 created\r\n"), "{head}");
+        assert!(head.contains("\r\ndate: "), "{head}");
+    }
+    let json = |body: &[u8]| serde_json::from_slice::<serde_json::Value>(body).unwrap();
+    let (streamed, streamed_body) = &responses[0];
+    assert!(
+        streamed.contains("transfer-encoding: chunked"),
+        "{streamed}"
+    );
+    assert_eq!(json(streamed_body)["path"], "/stream/own");
+    assert_eq!(json(streamed_body)["body_len"], 3);
+    let (first, first_body) = &responses[1];
+    assert!(!first.contains("idempotent-replayed"), "{first}");
+    assert_eq!(json(first_body)["body_len"], 3);
+    let (again, again_body) = &responses[2];
+    assert!(again.contains("idempotent-replayed: true"), "{again}");
+    assert_eq!(again_body, first_body);
+    assert_eq!(json(&responses[3].1)["path"], "/chunked");
+    assert_eq!(json(&responses[3].1)["body_len"], 5);
+    assert_eq!(json(&responses[4].1)["body_len"], 2);
+    assert!(
+        responses[4].0.contains("connection: close"),
+        "{}",
+        responses[4].0
+    );
+    assert_eq!(s.upstream.hits("/own"), 1);
+    assert_eq!(s.upstream.hits("/plain"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_hangs_up_during_an_over_limit_response_still_gets_it_recorded() {
     let s = setup_with(r#"max_response_bytes = "64KiB""#).await;

@@ -737,7 +737,7 @@ fn parse_head(
     let keep_alive = version == Version::HTTP_11
         && framing != Framing::UntilClose
         && !both_lengths
-        && !(present.connection && asks_to_close(&headers));
+        && !(present.connection && crate::headers::asks_to_close(&headers));
     Ok(Some(ResponseHead {
         status,
         headers,
@@ -826,17 +826,6 @@ fn framing(
         Some(0) => Framing::Empty,
         Some(n) => Framing::Length(n),
         None => Framing::UntilClose,
-    })
-}
-
-/// Whether `Connection` says `close`. A value that is not text counts as saying it.
-fn asks_to_close(headers: &HeaderMap) -> bool {
-    headers.get_all(CONNECTION).iter().any(|value| {
-        value.to_str().map_or(true, |value| {
-            value
-                .split(',')
-                .any(|token| token.trim().eq_ignore_ascii_case("close"))
-        })
     })
 }
 

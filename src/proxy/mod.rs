@@ -21,6 +21,7 @@ pub mod admin;
 pub mod client;
 pub mod config;
 pub mod forward;
+mod http1;
 pub mod logging;
 pub mod metrics;
 pub mod pool;

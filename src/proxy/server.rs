@@ -24,6 +24,7 @@ use tower_service::Service;
 use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
 use super::forward::Forwarder;
+use super::http1::{self, WholeBody};
 use super::metrics::{InstrumentedStore, Metrics, UnroutedReason};
 use super::watchdog::{Activity, ActivityIo, ClientStream, InFlight, Verdict, Watchdog};
 use crate::IdempotencyLayer;
@@ -344,6 +345,33 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// A client connection's service: it takes requests whose bodies hyper reads, and requests
+/// that arrived whole through the gateway's own HTTP/1.1 loop (see `http1`).
+trait ConnectionService<B>: Service<Request<Incoming>, Response = Response<B>, Error = Infallible, Future: Send + 'static>
+    + Service<Request<WholeBody>, Response = Response<B>, Error = Infallible, Future: Send + 'static>
+    + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> ConnectionService<B> for S where
+    S: Service<
+            Request<Incoming>,
+            Response = Response<B>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Service<
+            Request<WholeBody>,
+            Response = Response<B>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
 async fn accept_loop<S, B>(
     listener: TcpListener,
     service_for: impl Fn(SocketAddr) -> S,
@@ -353,11 +381,7 @@ async fn accept_loop<S, B>(
     limits: Limits,
     stop: watch::Receiver<bool>,
 ) where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: ConnectionService<B>,
     B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -396,6 +420,14 @@ async fn accept_loop<S, B>(
     }
 }
 
+/// hyper serving a client connection the gateway's own loop handed over.
+type HyperConnection<'a, S> =
+    Pin<Box<auto::Connection<'a, TokioIo<http1::Prefixed>, Front<S>, TokioExecutor>>>;
+
+/// Serves one client connection: plain HTTP/1.1 requests through the gateway's own loop
+/// (`http1`), the rest of the connection through hyper from the first request that is not
+/// plain (HTTP/2 included); under the watchdog, the stop signal, and the look for a client's
+/// hang-up.
 async fn serve_connection<S, B>(
     stream: TcpStream,
     front: Front<S>,
@@ -403,27 +435,34 @@ async fn serve_connection<S, B>(
     limits: Limits,
     mut stop: watch::Receiver<bool>,
 ) where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: ConnectionService<B>,
     B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let activity = Arc::clone(&front.activity);
     let metrics = Arc::clone(&front.metrics);
     let stream = ClientStream::new(stream);
-    let io = TokioIo::new(ActivityIo::new(stream.clone(), Arc::clone(&activity)));
-    let conn = builder.serve_connection(io, front);
-    tokio::pin!(conn);
+    let io = ActivityIo::new(stream.clone(), Arc::clone(&activity));
+    // A graceful close of the gateway's own loop: it ends between requests.
+    let own_closing = AtomicBool::new(false);
+    let own_front = front.clone();
+    let own = http1::serve(
+        io,
+        &own_closing,
+        limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR),
+        move |req| hyper::service::Service::call(&own_front, req),
+    );
+    tokio::pin!(own);
+    // hyper's connection, once the own loop has handed the connection over.
+    let mut conn: Option<HyperConnection<'_, S>> = None;
+    let mut front = Some(front);
     // The stop signal and the watchdog are registered with the task once; after that each
     // wake-up of the connection (nearly all of them I/O) only looks at two flags instead of
     // polling both.
     let probe = stop.clone();
     let mut closing = *stop.borrow_and_update();
     if closing {
-        conn.as_mut().graceful_shutdown();
+        own_closing.store(true, Ordering::Relaxed);
     }
     let stopped = stop.changed();
     tokio::pin!(stopped);
@@ -437,7 +476,26 @@ async fn serve_connection<S, B>(
     let mut check_registered = false;
     let result = std::future::poll_fn(|cx| {
         loop {
-            if let Poll::Ready(result) = conn.as_mut().poll(cx) {
+            let done = match &mut conn {
+                Some(conn) => Pin::as_mut(conn).poll(cx),
+                None => match own.as_mut().poll(cx) {
+                    Poll::Ready(http1::End::Closed) => Poll::Ready(Ok(())),
+                    Poll::Ready(http1::End::Handover(io)) => {
+                        let Some(front) = front.take() else {
+                            return Poll::Ready(Ok(()));
+                        };
+                        let mut handed =
+                            Box::pin(builder.serve_connection(TokioIo::new(io), front));
+                        if closing {
+                            handed.as_mut().graceful_shutdown();
+                        }
+                        conn = Some(handed);
+                        continue;
+                    }
+                    Poll::Pending => Poll::Pending,
+                },
+            };
+            if let Poll::Ready(result) = done {
                 return Poll::Ready(result);
             }
             // A client that hangs up on its HTTP/1.1 request ends the connection, which drops
@@ -465,7 +523,10 @@ async fn serve_connection<S, B>(
                         .is_ready()
                 };
             if stop_now {
-                conn.as_mut().graceful_shutdown();
+                match &mut conn {
+                    Some(conn) => Pin::as_mut(conn).graceful_shutdown(),
+                    None => own_closing.store(true, Ordering::Relaxed),
+                }
                 closing = true;
                 continue;
             }
@@ -487,7 +548,10 @@ async fn serve_connection<S, B>(
                     // An HTTP/1.1 request in progress still gets its response first, as
                     // long as it keeps moving: the watchdog goes on looking.
                     if matches!(verdict, Verdict::Close(_)) && !closing {
-                        conn.as_mut().graceful_shutdown();
+                        match &mut conn {
+                            Some(conn) => Pin::as_mut(conn).graceful_shutdown(),
+                            None => own_closing.store(true, Ordering::Relaxed),
+                        }
                         closing = true;
                     }
                     check
@@ -584,20 +648,18 @@ fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
     (!chunked_alone).then(Problem::unsupported_transfer_coding)
 }
 
-impl<S, B> hyper::service::Service<Request<Incoming>> for Front<S>
+impl<S, B, RB> hyper::service::Service<Request<RB>> for Front<S>
 where
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Request<RB>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
     B: FrontBody + Send + 'static,
+    RB: http_body::Body + Send + 'static,
 {
     type Response = Response<B>;
     type Error = Infallible;
     type Future = FrontFuture<S::Future, B>;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, req: Request<RB>) -> Self::Future {
         let refused = match over_header_limits(&req, &self.limits) {
             Some(problem) => Some((problem, UnroutedReason::TooLarge)),
             // Only a body of unknown length (chunked) can have come with a transfer coding.

@@ -29,29 +29,37 @@ pub(crate) fn response_map(fields: usize) -> HeaderMap {
 }
 
 /// A field name as received or stored, as a header name; `None` if it is not a valid one.
-/// The names responses most often carry, spelled in lowercase (as HTTP/2, hyper and the
-/// stored records write them) or capitalised (as most HTTP/1.1 servers do), are matched
-/// byte for byte to http's constants, which is several times cheaper than parsing them:
-/// every replay decodes its record's names, and every upstream response head has its names
-/// read. Any other spelling or name is parsed.
+/// The names requests and responses most often carry, spelled in lowercase (as HTTP/2, hyper
+/// and the stored records write them) or capitalised (as most HTTP/1.1 clients and servers
+/// do), are matched byte for byte to http's constants, which is several times cheaper than
+/// parsing them (and, for `Idempotency-Key`, than copying it): every replay decodes its
+/// record's names, every upstream response head has its names read, and so does every
+/// request the proxy's own HTTP/1.1 loop reads. Any other spelling or name is parsed.
 pub(crate) fn field_name(bytes: &[u8]) -> Option<HeaderName> {
     use http::header;
     let known = match bytes.len() {
         4 => match bytes {
+            b"host" | b"Host" => Some(header::HOST),
             b"date" | b"Date" => Some(header::DATE),
             b"etag" | b"ETag" | b"Etag" => Some(header::ETAG),
             b"vary" | b"Vary" => Some(header::VARY),
             _ => None,
         },
-        6 => matches!(bytes, b"server" | b"Server").then_some(header::SERVER),
+        6 => match bytes {
+            b"accept" | b"Accept" => Some(header::ACCEPT),
+            b"server" | b"Server" => Some(header::SERVER),
+            _ => None,
+        },
         8 => matches!(bytes, b"location" | b"Location").then_some(header::LOCATION),
         10 => match bytes {
             b"connection" | b"Connection" => Some(header::CONNECTION),
             b"set-cookie" | b"Set-Cookie" => Some(header::SET_COOKIE),
+            b"user-agent" | b"User-Agent" => Some(header::USER_AGENT),
             _ => None,
         },
         12 => matches!(bytes, b"content-type" | b"Content-Type").then_some(header::CONTENT_TYPE),
         13 => match bytes {
+            b"authorization" | b"Authorization" => Some(header::AUTHORIZATION),
             b"cache-control" | b"Cache-Control" => Some(header::CACHE_CONTROL),
             b"last-modified" | b"Last-Modified" => Some(header::LAST_MODIFIED),
             _ => None,
@@ -59,6 +67,11 @@ pub(crate) fn field_name(bytes: &[u8]) -> Option<HeaderName> {
         14 => {
             matches!(bytes, b"content-length" | b"Content-Length").then_some(header::CONTENT_LENGTH)
         }
+        15 => match bytes {
+            b"idempotency-key" | b"Idempotency-Key" => Some(crate::policy::DEFAULT_KEY_HEADER),
+            b"accept-encoding" | b"Accept-Encoding" => Some(header::ACCEPT_ENCODING),
+            _ => None,
+        },
         16 => matches!(bytes, b"content-encoding" | b"Content-Encoding")
             .then_some(header::CONTENT_ENCODING),
         17 => matches!(bytes, b"transfer-encoding" | b"Transfer-Encoding")
@@ -173,7 +186,21 @@ mod tests {
 
     #[test]
     fn field_names_read_as_parsing_them_would() {
-        let names: [&[u8]; 27] = [
+        let names: [&[u8]; 41] = [
+            b"host",
+            b"Host",
+            b"accept",
+            b"Accept",
+            b"user-agent",
+            b"User-Agent",
+            b"authorization",
+            b"Authorization",
+            b"idempotency-key",
+            b"Idempotency-Key",
+            b"IDEMPOTENCY-KEY",
+            b"accept-encoding",
+            b"Accept-Encoding",
+            b"hosts",
             b"date",
             b"etag",
             b"vary",

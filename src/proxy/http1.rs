@@ -607,6 +607,15 @@ mod tests {
     }
 
     #[test]
+    fn a_target_http_refuses_goes_to_hyper_with_the_bytes_restored() {
+        // httparse takes bytes above 0x7f in a target; http's URI wants them to be UTF-8.
+        let bytes = b"POST /caf\xe9 HTTP/1.1\r\nContent-Length: 2\r\n\r\nabGET / HTTP/1.1\r\n\r\n";
+        let (parsed, rest) = parsed(bytes);
+        assert!(matches!(parsed, Err(NotPlain)), "{parsed:?}");
+        assert_eq!(&rest[..], bytes);
+    }
+
+    #[test]
     fn a_head_over_the_limit_goes_to_hyper_even_unfinished() {
         let bytes = b"GET /v1 HTTP/1.1\r\nHost: example\r\n";
         let mut read = buffer(bytes);

@@ -16,7 +16,7 @@ pub const HOP_BY_HOP: [HeaderName; 9] = [
     UPGRADE,
 ];
 
-/// Room for fields in the header map of a response the gateway makes or relays. hyper keeps the
+/// Room for fields in the header map of a response the layer makes. hyper keeps the
 /// map of each response it writes and parses the connection's next request into it, growing it
 /// (two allocations and a rehash) if that request has more fields than the map has room for;
 /// requests commonly carry 10 to 20, often more than the response they follow.

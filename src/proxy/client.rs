@@ -719,8 +719,12 @@ fn parse_head(
         spans.push((name, start, start + field.value.len()));
     }
     let head = buf.split_to(len).freeze();
-    // Room for the client's next request: hyper parses it into this map.
-    let mut headers = crate::headers::response_map(spans.len());
+    // Room for the response's own fields only. (hyper parses a connection's next request
+    // into the map of the response it wrote, and would grow a small one; but the proxy's own
+    // HTTP/1.1 loop, which serves nearly every client connection, builds each request's map
+    // afresh, and a map of 16 fields or more takes the allocator's slower path for blocks
+    // over 1 KiB.)
+    let mut headers = HeaderMap::with_capacity(spans.len());
     for (name, start, end) in spans.drain(..) {
         let value = HeaderValue::from_maybe_shared(head.slice(start..end))
             .map_err(|_| ClientError::Malformed("bad header value"))?;

@@ -46,12 +46,12 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use super::watchdog::ActivityIo;
 
 /// Most fields in a request head served here; a head with more goes to hyper.
-pub(super) const MAX_FIELDS: usize = 64;
+const MAX_FIELDS: usize = 64;
 /// Largest request head served here (within the proxy's own head limit); a longer one goes
 /// to hyper, which applies the limits.
 const MAX_HEAD: usize = 16 * 1024;
 /// Largest request body served here. It must have arrived with its head.
-pub(super) const MAX_BODY: usize = 64 * 1024;
+const MAX_BODY: usize = 64 * 1024;
 /// Room made in the read buffer before each read.
 const READ_CHUNK: usize = 8 * 1024;
 /// A response whose head and body together fit this is written in one write.

@@ -27,6 +27,8 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
+use super::wire::{encode_field, push_chunk_size, push_number};
+
 /// Most header fields in a response head.
 pub const MAX_HEADERS: usize = 128;
 /// Largest response head (status line and fields).
@@ -592,34 +594,6 @@ pub(super) fn encode_head(
         }
         BodyLength::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
-    out.extend_from_slice(b"\r\n");
-}
-
-fn encode_field(name: &HeaderName, value: &HeaderValue, out: &mut Vec<u8>) {
-    out.extend_from_slice(name.as_str().as_bytes());
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value.as_bytes());
-    out.extend_from_slice(b"\r\n");
-}
-
-/// `n` in `radix` (10 or 16, lower-case digits), without going through `fmt`.
-fn push_number(mut n: u64, radix: u64, out: &mut Vec<u8>) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b"0123456789abcdef"[(n % radix) as usize];
-        n /= radix;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
-}
-
-/// A chunk's size line, for a chunk of `len` bytes.
-fn push_chunk_size(len: usize, out: &mut Vec<u8>) {
-    push_number(len as u64, 16, out);
     out.extend_from_slice(b"\r\n");
 }
 
@@ -1253,24 +1227,6 @@ pub(super) mod tests {
     /// A deadline no test reaches.
     pub(in crate::proxy) fn soon() -> tokio::time::Instant {
         tokio::time::Instant::now() + Duration::from_secs(30)
-    }
-
-    #[test]
-    fn numbers_are_written_in_decimal_and_hex() {
-        for (n, decimal, hex) in [
-            (0, "0", "0"),
-            (9, "9", "9"),
-            (255, "255", "ff"),
-            (4096, "4096", "1000"),
-            (u64::MAX, "18446744073709551615", "ffffffffffffffff"),
-        ] {
-            let mut out = b"x".to_vec();
-            push_number(n, 10, &mut out);
-            assert_eq!(out, format!("x{decimal}").as_bytes());
-            out.clear();
-            push_number(n, 16, &mut out);
-            assert_eq!(out, hex.as_bytes());
-        }
     }
 
     #[tokio::test]

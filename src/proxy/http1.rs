@@ -44,6 +44,7 @@ use http_body_util::Full;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::watchdog::ActivityIo;
+use super::wire::{encode_field, push_chunk_size, push_number};
 
 /// Most fields in a request head served here; a head with more goes to hyper.
 const MAX_FIELDS: usize = 64;
@@ -283,11 +284,8 @@ where
 {
     let (parts, body) = response.into_parts();
     let mut body = pin!(body);
-    let asks_to_close = crate::headers::contains(&parts.headers, &CONNECTION)
-        && crate::headers::asks_to_close(&parts.headers);
-    let keep_alive = !closing && !asks_to_close;
     out.clear();
-    let framing = head(out, parts.status, &parts.headers, &*body, keep_alive);
+    let (framing, keep_alive) = head(out, parts.status, &parts.headers, &*body, closing);
     if framing == Framing::None {
         io.write_all(out).await?;
         return Ok(keep_alive);
@@ -323,8 +321,7 @@ where
             return Err(io::Error::other("the response body ran past its length"));
         }
         if framing == Framing::Chunked {
-            append_hex(out, data.len());
-            out.extend_from_slice(b"\r\n");
+            push_chunk_size(data.len(), out);
         } else {
             left -= data.len() as u64;
         }
@@ -359,34 +356,48 @@ fn poll_frame<B: Body<Data = Bytes>>(
         .map(|frame| frame.map(|frame| frame.map_err(drop)))
 }
 
-/// Appends the response head to `out`; returns how its body is framed.
+/// Appends the response head to `out`; returns how its body is framed, and whether the
+/// connection can carry another request after it (not when `closing`, nor when the response
+/// asks to close it).
 fn head<B: Body>(
     out: &mut Vec<u8>,
     status: StatusCode,
     headers: &HeaderMap,
     body: &B,
-    keep_alive: bool,
-) -> Framing {
+    closing: bool,
+) -> (Framing, bool) {
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
+    // The fields this head looks at, noted in the one pass that writes the others.
+    let (mut date, mut connection) = (false, false);
+    let mut lengths = (None, 0);
     for (name, value) in headers {
-        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
-            continue;
+        if name == CONTENT_LENGTH {
+            lengths = (Some(value), lengths.1 + 1);
+        } else if name != TRANSFER_ENCODING {
+            date |= name == DATE;
+            connection |= name == CONNECTION;
+            encode_field(name, value, out);
         }
-        append_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    if !crate::headers::contains(headers, &DATE) {
+    let asks_to_close = connection && crate::headers::asks_to_close(headers);
+    let keep_alive = !closing && !asks_to_close;
+    if !date {
         out.extend_from_slice(b"date: ");
         append_date(out);
         out.extend_from_slice(b"\r\n");
     }
-    if !keep_alive && !crate::headers::contains(headers, &CONNECTION) {
+    if !keep_alive && !connection {
         out.extend_from_slice(b"connection: close\r\n");
     }
-    let declared = declared_length(headers);
+    // The response's own `Content-Length`, when it has exactly one and it is a number.
+    let declared = match lengths {
+        (Some(value), 1) => content_length(value.as_bytes()).map(|len| len as u64),
+        _ => None,
+    };
     let framing = if status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -404,17 +415,7 @@ fn head<B: Body>(
         Framing::Chunked
     };
     out.extend_from_slice(b"\r\n");
-    framing
-}
-
-/// The response's own `Content-Length`, when it has exactly one and it is a number.
-fn declared_length(headers: &HeaderMap) -> Option<u64> {
-    let mut values = headers.get_all(CONTENT_LENGTH).iter();
-    let value = values.next()?;
-    if values.next().is_some() {
-        return None;
-    }
-    content_length(value.as_bytes()).map(|len| len as u64)
+    (framing, keep_alive)
 }
 
 /// Appends the current time as an HTTP date (`Thu, 26 Nov 2026 06:00:00 GMT`), formatted
@@ -436,35 +437,10 @@ fn append_date(out: &mut Vec<u8>) {
     });
 }
 
-fn append_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-}
-
 fn append_length(out: &mut Vec<u8>, len: u64) {
     out.extend_from_slice(b"content-length: ");
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut rest = len;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
+    push_number(len, 10, out);
     out.extend_from_slice(b"\r\n");
-}
-
-fn append_hex(out: &mut Vec<u8>, len: usize) {
-    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1);
-    for shift in (0..digits).rev() {
-        out.push(b"0123456789abcdef"[(len >> (shift * 4)) & 0xf]);
-    }
 }
 
 /// A client stream with bytes already read from it in front: what hyper reads first when it
@@ -654,7 +630,7 @@ mod tests {
         }
         let mut out = Vec::new();
         let status = StatusCode::from_u16(status).unwrap();
-        let framing = head(&mut out, status, &headers, body, keep_alive);
+        let (framing, _) = head(&mut out, status, &headers, body, !keep_alive);
         (String::from_utf8(out).unwrap(), framing)
     }
 
@@ -710,21 +686,5 @@ mod tests {
             text,
             "HTTP/1.1 304 Not Modified\r\ndate: d\r\ncontent-length: 7\r\n\r\n"
         );
-    }
-
-    #[test]
-    fn chunk_sizes_are_written_in_hex() {
-        for (len, hex) in [
-            (1, "1"),
-            (15, "f"),
-            (16, "10"),
-            (255, "ff"),
-            (4096, "1000"),
-            (65535, "ffff"),
-        ] {
-            let mut out = Vec::new();
-            append_hex(&mut out, len);
-            assert_eq!(out, hex.as_bytes(), "{len}");
-        }
     }
 }

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod pool;
 pub mod server;
 mod watchdog;
+mod wire;
 
 use crate::ErrorChain;
 use std::io::Write as _;

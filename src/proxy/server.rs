@@ -455,7 +455,13 @@ async fn serve_connection<S, B>(
     tokio::pin!(own);
     // hyper's connection, once the own loop has handed the connection over.
     let mut conn: Option<HyperConnection<'_, S>> = None;
+    // Moved to hyper at the hand-over, which happens at most once (the own loop has ended).
     let mut front = Some(front);
+    // A graceful close, of whichever of the two serves the connection.
+    let close_gracefully = |conn: &mut Option<HyperConnection<'_, S>>| match conn {
+        Some(conn) => conn.as_mut().graceful_shutdown(),
+        None => own_closing.store(true, Ordering::Relaxed),
+    };
     // The stop signal and the watchdog are registered with the task once; after that each
     // wake-up of the connection (nearly all of them I/O) only looks at two flags instead of
     // polling both.
@@ -484,12 +490,10 @@ async fn serve_connection<S, B>(
                         let Some(front) = front.take() else {
                             return Poll::Ready(Ok(()));
                         };
-                        let mut handed =
-                            Box::pin(builder.serve_connection(TokioIo::new(io), front));
+                        conn = Some(Box::pin(builder.serve_connection(TokioIo::new(io), front)));
                         if closing {
-                            handed.as_mut().graceful_shutdown();
+                            close_gracefully(&mut conn);
                         }
-                        conn = Some(handed);
                         continue;
                     }
                     Poll::Pending => Poll::Pending,
@@ -523,10 +527,7 @@ async fn serve_connection<S, B>(
                         .is_ready()
                 };
             if stop_now {
-                match &mut conn {
-                    Some(conn) => Pin::as_mut(conn).graceful_shutdown(),
-                    None => own_closing.store(true, Ordering::Relaxed),
-                }
+                close_gracefully(&mut conn);
                 closing = true;
                 continue;
             }
@@ -548,10 +549,7 @@ async fn serve_connection<S, B>(
                     // An HTTP/1.1 request in progress still gets its response first, as
                     // long as it keeps moving: the watchdog goes on looking.
                     if matches!(verdict, Verdict::Close(_)) && !closing {
-                        match &mut conn {
-                            Some(conn) => Pin::as_mut(conn).graceful_shutdown(),
-                            None => own_closing.store(true, Ordering::Relaxed),
-                        }
+                        close_gracefully(&mut conn);
                         closing = true;
                     }
                     check

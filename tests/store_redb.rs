@@ -36,6 +36,9 @@ impl TempPath {
 impl Drop for TempPath {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+        let mut journal = self.0.clone().into_os_string();
+        journal.push("-journal");
+        let _ = std::fs::remove_file(journal);
     }
 }
 
@@ -356,7 +359,9 @@ async fn acknowledged_records_survive_kill_9() {
     let path = TempPath::new("crash");
     let acked = tokio::task::spawn_blocking({
         let path = path.0.clone();
-        move || run_child_until(&path, 300)
+        // Past the first checkpoint (a second in), so the file holds both records committed
+        // by checkpoints and records only in the journal.
+        move || run_child_until(&path, 300, Duration::from_millis(1500))
     })
     .await
     .unwrap();
@@ -365,8 +370,13 @@ async fn acknowledged_records_survive_kill_9() {
         "the child acknowledged only {} records",
         acked.len()
     );
+    let mut journal = path.0.clone().into_os_string();
+    journal.push("-journal");
+    let journalled = std::fs::metadata(&journal).map_or(0, |m| m.len());
+    assert!(journalled > 0, "the kill left a journal to apply");
 
     let store = RedbStore::open(&path.0).expect("the file opens after a kill -9");
+    assert_eq!(store.journal_path().into_os_string(), journal);
     for &i in &acked {
         let key = crash_key(i);
         match claim(&store, &key, &long()).await {
@@ -389,9 +399,10 @@ async fn acknowledged_records_survive_kill_9() {
     ));
 }
 
-/// Runs the child test against `path`, reads `wanted` acknowledgements, then kills it with
-/// SIGKILL mid-stream and returns what it acknowledged.
-fn run_child_until(path: &Path, wanted: usize) -> Vec<u64> {
+/// Runs the child test against `path`, reads at least `wanted` acknowledgements for at least
+/// `running`, then kills it with SIGKILL mid-stream and returns what it acknowledged.
+fn run_child_until(path: &Path, wanted: usize, running: Duration) -> Vec<u64> {
+    let started = Instant::now();
     let exe = std::env::current_exe().expect("the test binary's path");
     let child = Command::new(exe)
         .args([
@@ -413,7 +424,7 @@ fn run_child_until(path: &Path, wanted: usize) -> Vec<u64> {
         let line = line.expect("read the child's output");
         if let Some(i) = line.strip_prefix("acked ") {
             acked.push(i.parse::<u64>().expect("an acknowledged index"));
-            if acked.len() >= wanted {
+            if acked.len() >= wanted && started.elapsed() >= running {
                 break;
             }
         }

@@ -1,15 +1,22 @@
 //! [`RedbStore`]: records in an embedded, crash-safe database file (redb).
 //!
-//! Every change is committed with immediate durability before the call returns, so a claim
-//! is on disk before its request goes upstream and an acknowledged completion survives a
-//! `kill -9`. A disk manages on the order of a thousand syncs a second, so all calls go
-//! through one writer thread that takes everything queued (up to [`MAX_BATCH`] calls; after a
-//! large batch it first waits [`GATHER`] for the callers it just answered to come back),
-//! applies it in order in one write transaction — each change still a single atomic step,
-//! later ones seeing earlier ones — and commits once for the whole batch (group commit). A
-//! batch that changed nothing (replays, conflicts, fenced calls) is not synced. Nothing
-//! blocks the async runtime, and a batch's answers cost its callers' runtime one wake-up
-//! from the writer thread, not one each (see [`Handout`]).
+//! Every change is durable before the call returns, so a claim is on disk before its request
+//! goes upstream and an acknowledged completion survives a `kill -9`. A disk manages on the
+//! order of a thousand syncs a second, so all calls go through one writer thread that takes
+//! everything queued (up to [`MAX_BATCH`] calls; after a large batch it first waits [`GATHER`]
+//! for the callers it just answered to come back), applies it in order in one write
+//! transaction — each change still a single atomic step, later ones seeing earlier ones — and
+//! makes the whole batch durable at once (group commit). A batch that changed nothing
+//! (replays, conflicts, fenced calls) is not synced. Nothing blocks the async runtime, and a
+//! batch's answers cost its callers' runtime one wake-up from the writer thread, not one each
+//! (see [`Handout`]).
+//!
+//! A batch is made durable by its journal frame: the batch is committed to redb without a
+//! sync, and its row changes are appended to the journal beside the file and synced (one
+//! write, where a durable redb commit writes some twenty scattered pages). About once a
+//! second, or when the journal passes 16 MiB, a batch is committed durably by redb instead (a
+//! checkpoint) and the journal starts again; at open, the frames written since the last
+//! checkpoint are applied again (see [`journal`]). A clean close ends with a checkpoint.
 //!
 //! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
 //! process that wrote it.
@@ -25,7 +32,7 @@
 //!   state tag, fingerprint, expiry, then the state's fields (owner token and lease deadline;
 //!   time stored and the [`Completion::encode`] bytes; time it became ambiguous).
 //!
-//! That table is the whole file. The writer keeps two indexes of it in memory, read from the
+//! That table holds every record. The writer keeps two indexes of it in memory, read from the
 //! file at open (one pass over the rows) and changed with each write: the row number of every
 //! record key (a hash map), and every row's expiry with its row number (an ordered set).
 //! Expired records are found in expiry order and removed in bounded batches, without a scan
@@ -34,6 +41,10 @@
 //! steady size. The two cost 80 to 120 bytes of memory a record (measured with a million
 //! records: a 40-byte hash-map entry, up to twice that with the map's spare room, and about
 //! 36 bytes in the set).
+//!
+//! The file's other table, `journal`, holds the journal's id (so a journal left beside
+//! another database is not applied) and the sequence number of the last frame the latest
+//! checkpoint covers. Only opening the file and checkpoints write it.
 //!
 //! Older layouts are brought over when a file is opened: the first (`records` by record key)
 //! is rewritten in this one; the second also kept the expiry index on disk
@@ -55,6 +66,7 @@ use redb::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use self::journal::{Change, Journal};
 use super::handout::{Answer, Handout};
 use super::key_hash::KeyHasher;
 use super::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
@@ -62,6 +74,8 @@ use crate::record::{
     Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
     from_unix_millis, unix_millis,
 };
+
+mod journal;
 
 const BACKEND: &str = "redb";
 
@@ -78,6 +92,9 @@ const QUEUE: usize = 4096;
 const SWEEP_BATCH: usize = 1000;
 /// Expired records every write transaction also removes, riding on its commit.
 const PIGGYBACK_SWEEP: usize = 64;
+/// Longest time between two checkpoints (durable commits of the database itself) while
+/// changes are being journalled.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// Pause between two sweeps when the writer is otherwise idle.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How long after a failed write the writer first tries to reopen the file.
@@ -91,6 +108,11 @@ const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_write");
+/// The journal's id ([`JOURNAL_ID`]) and the last frame the latest checkpoint covers
+/// ([`JOURNAL_CHECKPOINTED`]).
+const JOURNAL_STATE: TableDefinition<&str, u64> = TableDefinition::new("journal");
+const JOURNAL_ID: &str = "id";
+const JOURNAL_CHECKPOINTED: &str = "checkpointed";
 /// The second layout's expiry index on disk: expiry ++ row number. Dropped at open.
 const EXPIRIES_V2: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
 /// The first layout: records by record key. Rewritten in the current one at open.
@@ -159,6 +181,12 @@ enum RedbError {
         #[source]
         source: redb::Error,
     },
+    #[error("cannot read the journal {}", path.display())]
+    Journal {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot create the directory {}", path.display())]
     CreateDir {
         path: PathBuf,
@@ -219,7 +247,7 @@ impl RedbStore {
                 })
             })?;
         }
-        let (db, rows) = open_file(path)?;
+        let (db, journal, rows) = open_file(path)?;
 
         let path: Arc<Path> = Arc::from(path);
         let (ops, queue) = mpsc::channel(QUEUE);
@@ -231,6 +259,8 @@ impl RedbStore {
             commits: Arc::clone(&commits),
             answers: Arc::clone(&answers),
             db: Some(db),
+            journal: Some(journal),
+            checkpointed_at: Instant::now(),
             path: Arc::clone(&path),
             poisoned: None,
             reopen_wait: REOPEN_FIRST,
@@ -283,6 +313,13 @@ impl RedbStore {
         &self.shared.path
     }
 
+    /// The database's journal: the file beside it, named after it with `-journal` added, that
+    /// holds the changes made since the database was last committed durably. It belongs with
+    /// the database file: a copy of one without the other may miss acknowledged changes.
+    pub fn journal_path(&self) -> PathBuf {
+        Journal::path_for(&self.shared.path)
+    }
+
     /// Removes every expired record now, in bounded batches; returns how many. The writer
     /// also does this on its own, so this is for tests and operators.
     pub async fn sweep(&self) -> Result<usize, StoreError> {
@@ -313,13 +350,7 @@ impl RedbStore {
 /// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the table,
 /// so reads never find it missing; brings a file in an older layout over; and reads where each
 /// record's row is and when it expires.
-fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
-    let open_error = |source: redb::Error| {
-        unavailable(RedbError::Open {
-            path: path.to_path_buf(),
-            source,
-        })
-    };
+fn open_file(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
     let db = Database::builder()
         .set_cache_size(CACHE_BYTES)
         .create(path)
@@ -327,10 +358,26 @@ fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
             DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
                 path: path.to_path_buf(),
             }),
-            other => open_error(other.into()),
+            other => unavailable(RedbError::Open {
+                path: path.to_path_buf(),
+                source: other.into(),
+            }),
         })?;
+    attach(db, path)
+}
+
+/// Brings an open database up to date: migrates an older layout, applies the changes its
+/// journal holds past the last checkpoint, and reads the row index.
+fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
+    let open_error = |source: redb::Error| {
+        unavailable(RedbError::Open {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
     let migrated = migrate(&txn).map_err(open_error)?;
+    let (id, checkpointed) = journal_state(&txn).map_err(open_error)?;
     txn.commit().map_err(|e| open_error(e.into()))?;
     // Logged once the migration is committed.
     match migrated {
@@ -344,8 +391,63 @@ fn open_file(path: &Path) -> Result<(Database, RowIndex), StoreError> {
         }
         None => {}
     }
+    let journal_error = |source| {
+        unavailable(RedbError::Journal {
+            path: Journal::path_for(path),
+            source,
+        })
+    };
+    let (journal, recovered) = Journal::open(path, id, checkpointed).map_err(journal_error)?;
+    if !recovered.is_empty() {
+        let frames = recovered.frames().count();
+        let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
+        {
+            let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
+            for frame in recovered.frames() {
+                for change in frame {
+                    match change.map_err(journal_error)? {
+                        Change::Put { row, value } => records.insert(row, value).map(drop),
+                        Change::Remove { row } => records.remove(row).map(drop),
+                    }
+                    .map_err(|e| open_error(e.into()))?;
+                }
+            }
+            let mut state = txn
+                .open_table(JOURNAL_STATE)
+                .map_err(|e| open_error(e.into()))?;
+            state
+                .insert(JOURNAL_CHECKPOINTED, recovered.last)
+                .map_err(|e| open_error(e.into()))?;
+        }
+        txn.commit().map_err(|e| open_error(e.into()))?;
+        tracing::info!(
+            frames,
+            journal = %journal.path().display(),
+            "redb journal applied: changes acknowledged after the last checkpoint are back"
+        );
+    }
     let rows = RowIndex::load(&db).map_err(open_error)?;
-    Ok((db, rows))
+    Ok((db, journal, rows))
+}
+
+/// The journal's id (made, in `txn`, for a file that has none yet) and the last frame the
+/// latest checkpoint covers.
+fn journal_state(txn: &redb::WriteTransaction) -> Result<(u64, u64), redb::Error> {
+    let mut state = txn.open_table(JOURNAL_STATE)?;
+    let id = state.get(JOURNAL_ID)?.map(|v| v.value());
+    let id = match id {
+        Some(id) => id,
+        None => {
+            // 64 random bits (std's hasher keys come from the OS): a journal left beside
+            // another database file is not applied to this one.
+            use std::hash::BuildHasher;
+            let id = std::hash::RandomState::new().hash_one((std::process::id(), now_ms()));
+            state.insert(JOURNAL_ID, id)?;
+            id
+        }
+    };
+    let checkpointed = state.get(JOURNAL_CHECKPOINTED)?.map_or(0, |v| v.value());
+    Ok((id, checkpointed))
 }
 
 // -------------------------------------------------------------------------------------------
@@ -892,6 +994,10 @@ struct Writer {
     answers: Arc<Handout<Done>>,
     /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
     db: Option<Database>,
+    /// The open file's journal; `None` exactly when `db` is.
+    journal: Option<Journal>,
+    /// When the database was last committed durably.
+    checkpointed_at: Instant,
     path: Arc<Path>,
     /// Set once a write failed: redb then refuses all work on its handle until the file is
     /// reopened.
@@ -922,6 +1028,8 @@ struct Poisoned {
 struct Tables<'t> {
     records: redb::Table<'t, u64, &'static [u8]>,
     rows: &'t mut RowIndex,
+    /// Where the batch's row changes are gathered for its journal frame.
+    journal: &'t mut Journal,
     /// Whether anything was written, so a batch that changed nothing skips the sync.
     dirty: bool,
 }
@@ -938,10 +1046,10 @@ impl Writer {
                     Err(mpsc::error::TryRecvError::Empty) => {
                         batch.push(Op::Sweep { reply: None });
                     }
-                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
                 }
             } else if queue.blocking_recv_many(&mut batch, MAX_BATCH) == 0 {
-                return;
+                break;
             }
             // Under load, the callers answered by the last commit come back with their next
             // change a moment later: waiting for them makes one commit of two.
@@ -956,6 +1064,33 @@ impl Writer {
             }
             last_batch = batch.len();
             self.run_batch(&mut batch);
+        }
+        self.checkpoint_on_close();
+    }
+
+    /// Commits the database durably at close, so the next open has no journal to apply.
+    fn checkpoint_on_close(&mut self) {
+        let (Some(db), Some(journal), None) = (&self.db, &mut self.journal, &self.poisoned) else {
+            return;
+        };
+        if !journal.has_frames() {
+            return;
+        }
+        let result = (|| {
+            let txn = db.begin_write()?;
+            txn.open_table(JOURNAL_STATE)?
+                .insert(JOURNAL_CHECKPOINTED, journal.last())?;
+            txn.commit()?;
+            Ok::<_, redb::Error>(())
+        })();
+        match result {
+            Ok(()) => journal.checkpointed(),
+            // Nothing is lost: the journal is applied at the next open.
+            Err(e) => tracing::warn!(
+                path = %self.path.display(),
+                error = %e,
+                "redb checkpoint at close failed"
+            ),
         }
     }
 
@@ -1063,9 +1198,12 @@ impl Writer {
         }
         // The failed handle still holds the file's lock: close it before opening again.
         self.db = None;
+        self.journal = None;
         match open_file(&self.path) {
-            Ok((db, rows)) => {
+            Ok((db, journal, rows)) => {
                 self.db = Some(db);
+                self.journal = Some(journal);
+                self.checkpointed_at = now;
                 self.rows = rows;
                 self.more_expired = true;
                 self.poisoned = None;
@@ -1101,16 +1239,16 @@ impl Writer {
         now: u64,
     ) -> Result<bool, (Arc<redb::Error>, bool)> {
         let fail = |e: redb::Error| (Arc::new(e), false);
-        let Some(db) = &self.db else {
+        let (Some(db), Some(journal)) = (&self.db, &mut self.journal) else {
             return Err((Arc::new(redb::Error::PreviousIo), true));
         };
+        journal.discard();
         let mut txn = db.begin_write().map_err(|e| fail(e.into()))?;
-        txn.set_durability(Durability::Immediate)
-            .map_err(|e| fail(e.into()))?;
         let (dirty, swept_all) = {
             let mut tables = Tables {
                 records: txn.open_table(RECORDS).map_err(|e| fail(e.into()))?,
                 rows: &mut self.rows,
+                journal,
                 dirty: false,
             };
             let mut swept_all = true;
@@ -1131,16 +1269,38 @@ impl Writer {
             (tables.dirty, swept_all)
         };
         self.more_expired = !swept_all;
-        if dirty {
-            #[cfg(test)]
-            self.commits
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::trace!(changes = dones.len(), "redb group commit");
-            txn.commit().map_err(|e| (Arc::new(e.into()), true))?;
-        } else {
+        if !dirty {
             txn.abort().map_err(|e| fail(e.into()))?;
+            return Ok(false);
         }
-        Ok(dirty)
+        #[cfg(test)]
+        self.commits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let committed = |e: redb::CommitError| (Arc::new(e.into()), true);
+        let checkpoint = self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY
+            || journal.size_with_pending() > journal::CHECKPOINT_AT;
+        if checkpoint {
+            tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
+            txn.open_table(JOURNAL_STATE)
+                .map_err(|e| fail(e.into()))?
+                .insert(JOURNAL_CHECKPOINTED, journal.last())
+                .map_err(|e| fail(e.into()))?;
+            txn.set_durability(Durability::Immediate)
+                .map_err(|e| fail(e.into()))?;
+            txn.commit().map_err(committed)?;
+            journal.discard();
+            journal.checkpointed();
+            self.checkpointed_at = Instant::now();
+        } else {
+            tracing::trace!(changes = dones.len(), "redb group commit, journalled");
+            txn.set_durability(Durability::None)
+                .map_err(|e| fail(e.into()))?;
+            txn.commit().map_err(committed)?;
+            journal
+                .append()
+                .map_err(|e| (Arc::new(redb::Error::Io(e)), true))?;
+        }
+        Ok(true)
     }
 }
 
@@ -1261,8 +1421,9 @@ impl Tables<'_> {
             self.remove_row(row, expiry)?;
         }
         let row = self.rows.take_next();
-        self.records
-            .insert(row, encode_row(key, header, completion).as_slice())?;
+        let value = encode_row(key, header, completion);
+        self.records.insert(row, value.as_slice())?;
+        self.journal.put(row, &value);
         self.rows.expiries.insert((header.expires, row));
         self.rows.set_row(*key, row);
         self.dirty = true;
@@ -1279,6 +1440,7 @@ impl Tables<'_> {
     /// Removes a row and its expiry entry (the key's entry is the caller's to update).
     fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
         self.records.remove(row)?;
+        self.journal.remove(row);
         self.rows.expiries.remove(&(expiry, row));
         Ok(())
     }
@@ -1430,6 +1592,7 @@ impl Tables<'_> {
                 Some(value) => split_row(value.value()).ok().map(|(key, _)| key),
                 None => continue,
             };
+            self.journal.remove(row);
             if let Some(key) = key {
                 self.rows.forget(&key, Some(row));
             }
@@ -1606,9 +1769,15 @@ mod tests {
         }
     }
 
+    /// Removes a test's database file and its journal.
+    fn remove_files(path: &Path) {
+        let _ = std::fs::remove_file(path);
+        let _ = std::fs::remove_file(Journal::path_for(path));
+    }
+
     /// A fresh file path in the tests' directory, which is made if missing (some tests open
     /// the file directly, without the store, which would make it).
-    fn temp_path(label: &str) -> std::path::PathBuf {
+    pub(super) fn temp_path(label: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join("idemgate-tests");
         std::fs::create_dir_all(&dir).expect("the tests' directory can be made");
         dir.join(format!(
@@ -1647,6 +1816,40 @@ mod tests {
         }
     }
 
+    /// A writer over an opened file, as [`RedbStore::open`] starts it, except that it reopens
+    /// a failed file at its next batch and does not sweep.
+    fn test_writer(path: &Path, (db, journal, rows): (Database, Journal, RowIndex)) -> Writer {
+        Writer {
+            commits: Arc::default(),
+            answers: Arc::new(Handout::new()),
+            db: Some(db),
+            journal: Some(journal),
+            checkpointed_at: Instant::now(),
+            path: Arc::from(path),
+            poisoned: None,
+            reopen_wait: Duration::ZERO,
+            batch_claims: Vec::new(),
+            unsettled: Vec::new(),
+            more_expired: false,
+            rows,
+        }
+    }
+
+    /// A claim of `key` by `token` with a long lease and ttl, given its reply sender.
+    fn claim_op(key: RecordKey, token: OwnerToken) -> impl FnOnce(Reply<Claim>) -> Op {
+        move |reply| Op::Claim {
+            key,
+            fingerprint: Hash256::of(b"fp"),
+            token,
+            options: ClaimOptions {
+                lease: Duration::from_secs(600),
+                ttl: Duration::from_secs(600),
+                on_lapse: UnknownOutcome::Ambiguous,
+            },
+            reply,
+        }
+    }
+
     /// Runs `op` (given its reply sender) as a batch of its own and returns its answer.
     fn run_one<T>(writer: &mut Writer, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
         let (reply, mut answer) = oneshot::channel();
@@ -1673,35 +1876,11 @@ mod tests {
                 fail: Arc::clone(&fail),
             })
             .unwrap();
-        let rows = RowIndex::load(&db).unwrap();
-        let mut writer = Writer {
-            commits: Arc::default(),
-            answers: Arc::new(Handout::new()),
-            db: Some(db),
-            path: Arc::from(path.as_path()),
-            poisoned: None,
-            // Reopen at the next batch.
-            reopen_wait: Duration::ZERO,
-            batch_claims: Vec::new(),
-            unsettled: Vec::new(),
-            more_expired: false,
-            rows,
-        };
-        let (key, fp) = (Hash256::of(b"k"), Hash256::of(b"fp"));
-        let options = ClaimOptions {
-            lease: Duration::from_secs(600),
-            ttl: Duration::from_secs(600),
-            on_lapse: UnknownOutcome::Ambiguous,
-        };
-        let claim = |token| {
-            move |reply| Op::Claim {
-                key,
-                fingerprint: fp,
-                token,
-                options,
-                reply,
-            }
-        };
+        let mut writer = test_writer(&path, attach(db, &path).unwrap());
+        // A checkpoint is due: the batch is committed, and so synced, by redb itself.
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        let key = Hash256::of(b"k");
+        let claim = |token| claim_op(key, token);
 
         fail.store(true, std::sync::atomic::Ordering::SeqCst);
         let first = run_one(&mut writer, claim(OwnerToken::generate()));
@@ -1721,7 +1900,44 @@ mod tests {
         );
         assert!(writer.unsettled.is_empty());
         drop(writer);
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
+    }
+
+    /// A journal frame that cannot be written fails its batch like a failed commit: its
+    /// callers are told, the file refuses changes until it is reopened, and the reopened file
+    /// journals again.
+    #[test]
+    fn a_journal_write_that_fails_poisons_the_file_until_it_is_reopened() {
+        let path = temp_path("journal-fails");
+        // No checkpoint due: the batch goes to the journal.
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let claim = claim_op;
+        let key = Hash256::of(b"k");
+
+        writer.journal.as_mut().unwrap().fail_writes().unwrap();
+        let first = run_one(&mut writer, claim(key, OwnerToken::generate()));
+        assert!(
+            matches!(first, Err(StoreError::Unavailable { .. })),
+            "{first:?}"
+        );
+        assert!(writer.poisoned.is_some());
+
+        let retry = OwnerToken::generate();
+        let second = run_one(&mut writer, claim(key, retry));
+        assert!(writer.poisoned.is_none(), "reopened");
+        assert!(
+            matches!(second, Ok(Claim::Acquired(t)) if t == retry),
+            "{second:?}"
+        );
+        let journalled = writer.journal.as_ref().unwrap().last();
+        let other = run_one(
+            &mut writer,
+            claim(Hash256::of(b"other"), OwnerToken::generate()),
+        );
+        assert!(matches!(other, Ok(Claim::Acquired(_))), "{other:?}");
+        assert_eq!(writer.journal.as_ref().unwrap().last(), journalled + 1);
+        drop(writer);
+        remove_files(&path);
     }
 
     /// A batch's answers reach their callers through one of them (see `Handout`): callers
@@ -1731,7 +1947,7 @@ mod tests {
     async fn callers_that_give_up_leave_no_answer_waiting() {
         let path = temp_path("give-up");
         let store = RedbStore::open(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
         let options = ClaimOptions {
             lease: Duration::from_secs(60),
             ttl: Duration::from_secs(60),
@@ -1772,7 +1988,7 @@ mod tests {
     async fn concurrent_changes_share_commits() {
         let path = temp_path("group-commit");
         let store = RedbStore::open(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
         let fp = Hash256::of(b"fp");
         let options = ClaimOptions {
             lease: Duration::from_secs(60),
@@ -1822,7 +2038,7 @@ mod tests {
     async fn changes_that_change_nothing_do_not_commit() {
         let path = temp_path("no-commit");
         let store = RedbStore::open(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
         let before = store
             .shared
             .commits
@@ -1959,11 +2175,11 @@ mod tests {
         drop(store);
         let db = Database::open(&path).unwrap();
         let txn = db.begin_read().unwrap();
-        assert_eq!(table_names(&txn), [RECORDS.name()]);
+        assert_eq!(table_names(&txn), [JOURNAL_STATE.name(), RECORDS.name()]);
         assert_eq!(txn.open_table(RECORDS).unwrap().len().unwrap(), 2);
         drop(txn);
         drop(db);
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
     }
 
     /// The second layout kept the expiry index on disk beside the rows. At open it is dropped
@@ -2019,7 +2235,7 @@ mod tests {
         drop(store);
         let db = Database::open(&path).unwrap();
         let txn = db.begin_read().unwrap();
-        assert_eq!(table_names(&txn), [RECORDS.name()]);
+        assert_eq!(table_names(&txn), [JOURNAL_STATE.name(), RECORDS.name()]);
         let records = txn.open_table(RECORDS).unwrap();
         let left: Vec<u64> = records
             .iter()
@@ -2034,7 +2250,7 @@ mod tests {
         drop(records);
         drop(txn);
         drop(db);
-        let _ = std::fs::remove_file(&path);
+        remove_files(&path);
     }
 
     #[test]

@@ -1,0 +1,409 @@
+//! The redb store's journal: each batch's row changes since the last checkpoint, appended to a
+//! file of its own beside the database and synced before the batch's callers are answered.
+//!
+//! A durable redb commit writes every page the batch touched (the table's leaves and branches,
+//! the allocator's and the free list's pages) where each lives in the file, about twenty
+//! scattered writes, then syncs. Appending the same batch's row changes to the journal is one
+//! write at the journal's end. So the writer commits most batches to the database without a
+//! sync ([`redb::Durability::None`]) and makes them durable here; about once a second, or when
+//! the journal has grown past [`CHECKPOINT_AT`], a batch is committed durably instead (a
+//! checkpoint) with the sequence number of the last journalled frame, and the journal starts
+//! again from its beginning.
+//!
+//! After a crash, redb returns to its last checkpoint and the frames written since are applied
+//! again ([`Recovered`]): every change the store acknowledged is back.
+//!
+//! # Frame layout
+//!
+//! Integers are little-endian.
+//!
+//! | field | bytes |
+//! | --- | --- |
+//! | magic `IGJ1` | 4 |
+//! | the database's journal id | 8 |
+//! | sequence number | 8 |
+//! | payload length | 4 |
+//! | payload: changes, each a tag then its fields | as given |
+//! | first 8 bytes of the SHA-256 of the id, sequence, length and payload | 8 |
+//!
+//! A change is a put (tag 1, row number, value length as 4 bytes, value) or a removal (tag 2,
+//! row number). Recovery reads frames from the file's start for as long as each one is whole,
+//! carries this database's id and has the sequence number after the previous one (the first,
+//! the one after the checkpoint's). A torn last frame, zeros, or frames of an earlier round
+//! (their numbers are at or below the checkpoint's) end it.
+//!
+//! The file is overwritten in place from its start after each checkpoint and never shrinks, so
+//! once it has reached its working size a sync has only the frames' pages to write, not the
+//! file's size.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+const MAGIC: &[u8; 4] = b"IGJ1";
+const HEAD_LEN: usize = 4 + 8 + 8 + 4;
+const CHECKSUM_LEN: usize = 8;
+const TAG_PUT: u8 = 1;
+const TAG_REMOVE: u8 = 2;
+/// Journal size past which the next batch is a checkpoint, so replay after a crash reads at
+/// most about this much.
+pub(super) const CHECKPOINT_AT: u64 = 16 * 1024 * 1024;
+
+/// The journal of one open database.
+pub(super) struct Journal {
+    file: File,
+    path: PathBuf,
+    id: u64,
+    /// The sequence number of the last frame written.
+    last: u64,
+    /// Where the next frame goes.
+    end: u64,
+    /// The frame being gathered: its head (filled in when written), then its changes.
+    frame: Vec<u8>,
+}
+
+/// One row change.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Change<'a> {
+    Put { row: u64, value: &'a [u8] },
+    Remove { row: u64 },
+}
+
+/// The frames a crash left to apply again.
+pub(super) struct Recovered {
+    data: Vec<u8>,
+    payloads: Vec<Range<usize>>,
+    /// The sequence number of the last frame found (the checkpoint's if none).
+    pub(super) last: u64,
+}
+
+impl Recovered {
+    /// Each frame's changes, oldest first.
+    pub(super) fn frames(&self) -> impl Iterator<Item = Changes<'_>> {
+        self.payloads.iter().map(|range| Changes {
+            rest: &self.data[range.clone()],
+        })
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.payloads.is_empty()
+    }
+}
+
+/// The changes of one frame, in order. A payload whose checksum matched yet does not parse
+/// (which only a bug could write) is an error.
+pub(super) struct Changes<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for Changes<'a> {
+    type Item = io::Result<Change<'a>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (&tag, rest) = self.rest.split_first()?;
+        let parsed = (|| {
+            let row = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+            let rest = &rest[8..];
+            match tag {
+                TAG_PUT => {
+                    let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+                    let value = rest.get(4..4 + len)?;
+                    Some((Change::Put { row, value }, &rest[4 + len..]))
+                }
+                TAG_REMOVE => Some((Change::Remove { row }, rest)),
+                _ => None,
+            }
+        })();
+        match parsed {
+            Some((change, rest)) => {
+                self.rest = rest;
+                Some(Ok(change))
+            }
+            None => {
+                self.rest = &[];
+                Some(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a journal frame's changes do not parse",
+                )))
+            }
+        }
+    }
+}
+
+impl Journal {
+    /// The journal's file for the database at `db`: the same name with `-journal` added.
+    pub(super) fn path_for(db: &Path) -> PathBuf {
+        let mut name = db.as_os_str().to_owned();
+        name.push("-journal");
+        PathBuf::from(name)
+    }
+
+    /// Opens (or creates) the journal of the database at `db`, whose id is `id` and whose last
+    /// checkpoint covered frames up to `checkpointed`; returns it with the frames written since.
+    /// The journal's next frame goes at its start: the caller checkpoints the recovered frames
+    /// before writing any.
+    pub(super) fn open(db: &Path, id: u64, checkpointed: u64) -> io::Result<(Self, Recovered)> {
+        let path = Self::path_for(db);
+        let mut file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)?;
+        let mut data = Vec::new();
+        file.read_to_end(&mut data)?;
+        let mut payloads = Vec::new();
+        let mut at = 0;
+        let mut last = checkpointed;
+        while let Some((seq, payload, next)) = read_frame(&data, at, id) {
+            if seq != last.wrapping_add(1) {
+                break;
+            }
+            payloads.push(payload);
+            last = seq;
+            at = next;
+        }
+        let journal = Self {
+            file,
+            path,
+            id,
+            last,
+            end: 0,
+            frame: Self::empty_frame(),
+        };
+        Ok((
+            journal,
+            Recovered {
+                data,
+                payloads,
+                last,
+            },
+        ))
+    }
+
+    fn empty_frame() -> Vec<u8> {
+        let mut frame = Vec::with_capacity(64 * 1024);
+        frame.resize(HEAD_LEN, 0);
+        frame
+    }
+
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The sequence number of the last frame written.
+    pub(super) fn last(&self) -> u64 {
+        self.last
+    }
+
+    /// Whether frames were written since the last checkpoint.
+    pub(super) fn has_frames(&self) -> bool {
+        self.end > 0
+    }
+
+    /// The journal's size if the gathered changes were written now.
+    pub(super) fn size_with_pending(&self) -> u64 {
+        self.end + (self.frame.len() + CHECKSUM_LEN) as u64
+    }
+
+    /// Notes that `row` now holds `value`.
+    pub(super) fn put(&mut self, row: u64, value: &[u8]) {
+        self.frame.push(TAG_PUT);
+        self.frame.extend_from_slice(&row.to_le_bytes());
+        // A row is far below 4 GiB: the proxy bounds the responses it keeps.
+        self.frame
+            .extend_from_slice(&(value.len() as u32).to_le_bytes());
+        self.frame.extend_from_slice(value);
+    }
+
+    /// Notes that `row` was removed.
+    pub(super) fn remove(&mut self, row: u64) {
+        self.frame.push(TAG_REMOVE);
+        self.frame.extend_from_slice(&row.to_le_bytes());
+    }
+
+    /// Drops the gathered changes (their batch was checkpointed or rolled back).
+    pub(super) fn discard(&mut self) {
+        self.frame.truncate(HEAD_LEN);
+    }
+
+    /// Writes the gathered changes as the next frame and syncs it.
+    pub(super) fn append(&mut self) -> io::Result<()> {
+        let seq = self.last.wrapping_add(1);
+        let payload_len = self.frame.len() - HEAD_LEN;
+        let len = u32::try_from(payload_len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "journal frame too large"))?;
+        self.frame[..4].copy_from_slice(MAGIC);
+        self.frame[4..12].copy_from_slice(&self.id.to_le_bytes());
+        self.frame[12..20].copy_from_slice(&seq.to_le_bytes());
+        self.frame[20..24].copy_from_slice(&len.to_le_bytes());
+        let checksum = checksum(&self.frame[4..]);
+        self.frame.extend_from_slice(&checksum);
+        let written = self
+            .file
+            .write_all_at(&self.frame, self.end)
+            .and_then(|()| self.file.sync_data());
+        let size = self.frame.len() as u64;
+        self.discard();
+        written?;
+        self.end += size;
+        self.last = seq;
+        Ok(())
+    }
+
+    /// Swaps the file for a read-only handle of it, so the next frame fails to be written.
+    #[cfg(test)]
+    pub(super) fn fail_writes(&mut self) -> io::Result<()> {
+        self.file = File::open(&self.path)?;
+        Ok(())
+    }
+
+    /// Starts the journal again from its beginning: every frame so far is in a durable commit.
+    pub(super) fn checkpointed(&mut self) {
+        self.end = 0;
+    }
+}
+
+fn checksum(bytes: &[u8]) -> [u8; CHECKSUM_LEN] {
+    let digest = Sha256::digest(bytes);
+    let mut out = [0; CHECKSUM_LEN];
+    out.copy_from_slice(&digest[..CHECKSUM_LEN]);
+    out
+}
+
+/// The whole frame of database `id` at `at`, if there is one: its sequence number, where its
+/// payload is, and where the next frame starts.
+fn read_frame(data: &[u8], at: usize, id: u64) -> Option<(u64, Range<usize>, usize)> {
+    let head = data.get(at..at.checked_add(HEAD_LEN)?)?;
+    if &head[..4] != MAGIC || u64::from_le_bytes(head[4..12].try_into().ok()?) != id {
+        return None;
+    }
+    let seq = u64::from_le_bytes(head[12..20].try_into().ok()?);
+    let len = u32::from_le_bytes(head[20..24].try_into().ok()?) as usize;
+    let payload_start = at + HEAD_LEN;
+    let payload_end = payload_start.checked_add(len)?;
+    let end = payload_end.checked_add(CHECKSUM_LEN)?;
+    let stored = data.get(payload_end..end)?;
+    if checksum(&data[at + 4..payload_end]) != stored {
+        return None;
+    }
+    Some((seq, payload_start..payload_end, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh database path in the tests' directory; its journal is removed at drop.
+    struct Db(std::path::PathBuf);
+
+    impl Db {
+        fn new(label: &str) -> Self {
+            Self(super::super::tests::temp_path(label))
+        }
+    }
+
+    impl Drop for Db {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(Journal::path_for(&self.0));
+        }
+    }
+
+    fn changes(recovered: &Recovered) -> Vec<Vec<(u64, Option<Vec<u8>>)>> {
+        recovered
+            .frames()
+            .map(|frame| {
+                frame
+                    .map(|change| match change.unwrap() {
+                        Change::Put { row, value } => (row, Some(value.to_vec())),
+                        Change::Remove { row } => (row, None),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn frames_written_since_the_checkpoint_are_recovered_in_order() {
+        let db = Db::new("journal-order");
+        let db = &db.0;
+        let (mut journal, recovered) = Journal::open(db, 7, 0).unwrap();
+        assert!(recovered.is_empty());
+        let mut expected = db.clone().into_os_string();
+        expected.push("-journal");
+        assert_eq!(journal.path().as_os_str(), expected);
+        journal.put(1, b"one");
+        journal.remove(0);
+        journal.append().unwrap();
+        journal.put(2, b"");
+        journal.append().unwrap();
+        assert_eq!(journal.last(), 2);
+        drop(journal);
+
+        let (journal, recovered) = Journal::open(db, 7, 0).unwrap();
+        assert_eq!(recovered.last, 2);
+        assert_eq!(
+            changes(&recovered),
+            vec![
+                vec![(1, Some(b"one".to_vec())), (0, None)],
+                vec![(2, Some(Vec::new()))]
+            ]
+        );
+        assert_eq!(journal.last(), 2);
+
+        // A checkpoint covers every frame written before it, and frames after it start at the
+        // journal's beginning: a first frame that does not follow the checkpoint is of an
+        // earlier round. Another database's id: nothing to apply either.
+        assert!(Journal::open(db, 7, 1).unwrap().1.is_empty());
+        assert!(Journal::open(db, 7, 2).unwrap().1.is_empty());
+        assert!(Journal::open(db, 8, 0).unwrap().1.is_empty());
+    }
+
+    #[test]
+    fn a_torn_or_stale_frame_ends_recovery() {
+        let db = Db::new("journal-torn");
+        let db = &db.0;
+        let (mut journal, _) = Journal::open(db, 1, 0).unwrap();
+        for row in 0..3 {
+            journal.put(row, b"value");
+            journal.append().unwrap();
+        }
+        // A checkpoint, then one new frame over the first old one: the old second and third
+        // frames after it are whole but belong to the previous round.
+        journal.checkpointed();
+        journal.put(9, b"new");
+        journal.append().unwrap();
+        drop(journal);
+        let (_, recovered) = Journal::open(db, 1, 3).unwrap();
+        assert_eq!(changes(&recovered), vec![vec![(9, Some(b"new".to_vec()))]]);
+        assert_eq!(recovered.last, 4);
+
+        // Any byte of that frame changed, or the frame cut short: nothing is applied.
+        let path = Journal::path_for(db);
+        let whole = std::fs::read(&path).unwrap();
+        let frame_len = HEAD_LEN + 1 + 8 + 4 + 3 + CHECKSUM_LEN;
+        for at in 0..frame_len {
+            let mut torn = whole.clone();
+            torn[at] ^= 0x40;
+            std::fs::write(&path, &torn).unwrap();
+            assert!(Journal::open(db, 1, 3).unwrap().1.is_empty(), "byte {at}");
+        }
+        std::fs::write(&path, &whole[..frame_len - 1]).unwrap();
+        assert!(Journal::open(db, 1, 3).unwrap().1.is_empty());
+    }
+
+    #[test]
+    fn a_payload_that_does_not_parse_is_an_error() {
+        let mut changes = Changes {
+            rest: &[TAG_PUT, 1, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, b'x'],
+        };
+        assert!(changes.next().unwrap().is_err());
+        assert!(changes.next().is_none());
+        let mut changes = Changes { rest: &[3] };
+        assert!(changes.next().unwrap().is_err());
+    }
+}

@@ -16,7 +16,9 @@
 //! write, where a durable redb commit writes some twenty scattered pages). About once a
 //! second, or when the journal passes 16 MiB, a batch is committed durably by redb instead (a
 //! checkpoint) and the journal starts again; at open, the frames written since the last
-//! checkpoint are applied again (see [`journal`]). A clean close ends with a checkpoint.
+//! checkpoint are applied again (see [`journal`]). A clean close ends with a checkpoint, and
+//! an idle writer checkpoints its last frames at its next sweep tick once one is due, so a
+//! change lives in the journal alone for a second or two at most.
 //!
 //! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
 //! process that wrote it.
@@ -1269,7 +1271,11 @@ impl Writer {
             (tables.dirty, swept_all)
         };
         self.more_expired = !swept_all;
-        if !dirty {
+        let checkpoint_due = self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY;
+        // A batch that changed nothing commits only to checkpoint frames a second old: the
+        // idle writer's sweep ticks do that, so no change lives in the journal alone for long.
+        let idle_checkpoint = checkpoint_due && journal.has_frames();
+        if !dirty && !idle_checkpoint {
             txn.abort().map_err(|e| fail(e.into()))?;
             return Ok(false);
         }
@@ -1277,8 +1283,7 @@ impl Writer {
         self.commits
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let committed = |e: redb::CommitError| (Arc::new(e.into()), true);
-        let checkpoint = self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY
-            || journal.size_with_pending() > journal::CHECKPOINT_AT;
+        let checkpoint = checkpoint_due || journal.size_with_pending() > journal::CHECKPOINT_AT;
         if checkpoint {
             tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
             txn.open_table(JOURNAL_STATE)
@@ -1936,6 +1941,39 @@ mod tests {
         );
         assert!(matches!(other, Ok(Claim::Acquired(_))), "{other:?}");
         assert_eq!(writer.journal.as_ref().unwrap().last(), journalled + 1);
+        drop(writer);
+        remove_files(&path);
+    }
+
+    /// Frames left in the journal by a writer that then goes idle are checkpointed by the
+    /// next batch once a checkpoint is due, even one that changes nothing (a sweep tick).
+    #[test]
+    fn an_idle_writer_checkpoints_its_journal() {
+        let path = temp_path("idle-checkpoint");
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let claimed = run_one(
+            &mut writer,
+            claim_op(Hash256::of(b"k"), OwnerToken::generate()),
+        );
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        let journal = writer.journal.as_ref().unwrap();
+        assert!(journal.has_frames());
+        let last = journal.last();
+
+        // Not yet due: a sweep that removes nothing leaves the journal as it is.
+        let sweep = |reply| Op::Sweep { reply: Some(reply) };
+        assert_eq!(run_one(&mut writer, sweep).unwrap(), 0);
+        assert!(writer.journal.as_ref().unwrap().has_frames());
+
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        assert_eq!(run_one(&mut writer, sweep).unwrap(), 0);
+        assert!(!writer.journal.as_ref().unwrap().has_frames());
+        let db = writer.db.as_ref().unwrap();
+        let txn = db.begin_read().unwrap();
+        let state = txn.open_table(JOURNAL_STATE).unwrap();
+        let checkpointed = state.get(JOURNAL_CHECKPOINTED).unwrap().map(|v| v.value());
+        assert_eq!(checkpointed, Some(last));
+        drop((state, txn));
         drop(writer);
         remove_files(&path);
     }

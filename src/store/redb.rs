@@ -45,8 +45,8 @@
 //! 36 bytes in the set).
 //!
 //! The file's other table, `journal`, holds the journal's id (so a journal left beside
-//! another database is not applied) and the sequence number of the last frame the latest
-//! checkpoint covers. Only opening the file and checkpoints write it.
+//! another database is not applied) and the sequence number of the last journal frame whose
+//! changes the database holds, written with each batch.
 //!
 //! Older layouts are brought over when a file is opened: the first (`records` by record key)
 //! is rewritten in this one; the second also kept the expiry index on disk
@@ -110,11 +110,13 @@ const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_write");
-/// The journal's id ([`JOURNAL_ID`]) and the last frame the latest checkpoint covers
-/// ([`JOURNAL_CHECKPOINTED`]).
+/// The journal's id ([`JOURNAL_ID`]) and the sequence number of the last journal frame whose
+/// changes the database holds ([`JOURNAL_APPLIED`]), written with every batch's commit: after
+/// a crash it is the checkpoint's, and if redb makes later batches durable itself (it does at
+/// a close), theirs, so no frame is applied twice.
 const JOURNAL_STATE: TableDefinition<&str, u64> = TableDefinition::new("journal");
 const JOURNAL_ID: &str = "id";
-const JOURNAL_CHECKPOINTED: &str = "checkpointed";
+const JOURNAL_APPLIED: &str = "applied";
 /// The second layout's expiry index on disk: expiry ++ row number. Dropped at open.
 const EXPIRIES_V2: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
 /// The first layout: records by record key. Rewritten in the current one at open.
@@ -379,7 +381,7 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
     };
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
     let migrated = migrate(&txn).map_err(open_error)?;
-    let (id, checkpointed) = journal_state(&txn).map_err(open_error)?;
+    let (id, applied) = journal_state(&txn).map_err(open_error)?;
     txn.commit().map_err(|e| open_error(e.into()))?;
     // Logged once the migration is committed.
     match migrated {
@@ -399,7 +401,7 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
             source,
         })
     };
-    let (journal, recovered) = Journal::open(path, id, checkpointed).map_err(journal_error)?;
+    let (journal, recovered) = Journal::open(path, id, applied).map_err(journal_error)?;
     if !recovered.is_empty() {
         let frames = recovered.frames().count();
         let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
@@ -418,7 +420,7 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
                 .open_table(JOURNAL_STATE)
                 .map_err(|e| open_error(e.into()))?;
             state
-                .insert(JOURNAL_CHECKPOINTED, recovered.last)
+                .insert(JOURNAL_APPLIED, recovered.last)
                 .map_err(|e| open_error(e.into()))?;
         }
         txn.commit().map_err(|e| open_error(e.into()))?;
@@ -432,8 +434,8 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
     Ok((db, journal, rows))
 }
 
-/// The journal's id (made, in `txn`, for a file that has none yet) and the last frame the
-/// latest checkpoint covers.
+/// The journal's id (made, in `txn`, for a file that has none yet) and the last frame whose
+/// changes the database holds.
 fn journal_state(txn: &redb::WriteTransaction) -> Result<(u64, u64), redb::Error> {
     let mut state = txn.open_table(JOURNAL_STATE)?;
     let id = state.get(JOURNAL_ID)?.map(|v| v.value());
@@ -448,8 +450,8 @@ fn journal_state(txn: &redb::WriteTransaction) -> Result<(u64, u64), redb::Error
             id
         }
     };
-    let checkpointed = state.get(JOURNAL_CHECKPOINTED)?.map_or(0, |v| v.value());
-    Ok((id, checkpointed))
+    let applied = state.get(JOURNAL_APPLIED)?.map_or(0, |v| v.value());
+    Ok((id, applied))
 }
 
 // -------------------------------------------------------------------------------------------
@@ -1081,7 +1083,7 @@ impl Writer {
         let result = (|| {
             let txn = db.begin_write()?;
             txn.open_table(JOURNAL_STATE)?
-                .insert(JOURNAL_CHECKPOINTED, journal.last())?;
+                .insert(JOURNAL_APPLIED, journal.last())?;
             txn.commit()?;
             Ok::<_, redb::Error>(())
         })();
@@ -1284,12 +1286,18 @@ impl Writer {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let committed = |e: redb::CommitError| (Arc::new(e.into()), true);
         let checkpoint = checkpoint_due || journal.size_with_pending() > journal::CHECKPOINT_AT;
+        // A checkpoint holds every frame written so far; a journalled batch, its own frame too.
+        let applied = if checkpoint {
+            journal.last()
+        } else {
+            journal.next()
+        };
+        txn.open_table(JOURNAL_STATE)
+            .map_err(|e| fail(e.into()))?
+            .insert(JOURNAL_APPLIED, applied)
+            .map_err(|e| fail(e.into()))?;
         if checkpoint {
             tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
-            txn.open_table(JOURNAL_STATE)
-                .map_err(|e| fail(e.into()))?
-                .insert(JOURNAL_CHECKPOINTED, journal.last())
-                .map_err(|e| fail(e.into()))?;
             txn.set_durability(Durability::Immediate)
                 .map_err(|e| fail(e.into()))?;
             txn.commit().map_err(committed)?;
@@ -1945,6 +1953,35 @@ mod tests {
         remove_files(&path);
     }
 
+    /// A batch whose frame could not be written may still be made durable by redb when the
+    /// failed handle is closed; the frames before it are then not applied again, which would
+    /// bring back what it removed.
+    #[test]
+    fn frames_a_closed_handle_made_durable_are_not_applied_again() {
+        let path = temp_path("frame-failed");
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let key = Hash256::of(b"k");
+        let token = OwnerToken::generate();
+        let claimed = run_one(&mut writer, claim_op(key, token));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+
+        writer.journal.as_mut().unwrap().fail_writes().unwrap();
+        // The claim's commit set the wait before a reopen back to a second.
+        writer.reopen_wait = Duration::ZERO;
+        let released = run_one(&mut writer, |reply| Op::Release { key, token, reply });
+        assert!(
+            matches!(released, Err(StoreError::Unavailable { .. })),
+            "{released:?}"
+        );
+        // The reopen comes first: redb's close made the release durable, as it does with
+        // every commit it holds.
+        let found = run_one(&mut writer, |reply| Op::Get { key, reply });
+        assert!(writer.poisoned.is_none(), "reopened");
+        assert!(matches!(found, Ok(None)), "{found:?}");
+        drop(writer);
+        remove_files(&path);
+    }
+
     /// Frames left in the journal by a writer that then goes idle are checkpointed by the
     /// next batch once a checkpoint is due, even one that changes nothing (a sweep tick).
     #[test]
@@ -1971,8 +2008,8 @@ mod tests {
         let db = writer.db.as_ref().unwrap();
         let txn = db.begin_read().unwrap();
         let state = txn.open_table(JOURNAL_STATE).unwrap();
-        let checkpointed = state.get(JOURNAL_CHECKPOINTED).unwrap().map(|v| v.value());
-        assert_eq!(checkpointed, Some(last));
+        let applied = state.get(JOURNAL_APPLIED).unwrap().map(|v| v.value());
+        assert_eq!(applied, Some(last));
         drop((state, txn));
         drop(writer);
         remove_files(&path);

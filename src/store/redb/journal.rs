@@ -7,11 +7,13 @@
 //! write at the journal's end. So the writer commits most batches to the database without a
 //! sync ([`redb::Durability::None`]) and makes them durable here; about once a second, or when
 //! the journal has grown past [`CHECKPOINT_AT`], a batch is committed durably instead (a
-//! checkpoint) with the sequence number of the last journalled frame, and the journal starts
-//! again from its beginning.
+//! checkpoint), and the journal starts again from its beginning. Every batch's commit records
+//! the sequence number of the last frame whose changes the database holds.
 //!
 //! After a crash, redb returns to its last checkpoint and the frames written since are applied
-//! again ([`Recovered`]): every change the store acknowledged is back.
+//! again ([`Recovered`]): every change the store acknowledged is back. (Where redb made later
+//! batches durable on its own, as it does when a handle is closed, the database's number is
+//! theirs and those frames are not applied twice.)
 //!
 //! # Frame layout
 //!
@@ -29,8 +31,8 @@
 //! A change is a put (tag 1, row number, value length as 4 bytes, value) or a removal (tag 2,
 //! row number). Recovery reads frames from the file's start for as long as each one is whole,
 //! carries this database's id and has the sequence number after the previous one (the first,
-//! the one after the checkpoint's). A torn last frame, zeros, or frames of an earlier round
-//! (their numbers are at or below the checkpoint's) end it.
+//! the one after the database's). A torn last frame, zeros, or frames of an earlier round
+//! (their numbers are at or below the database's) end it.
 //!
 //! The file is overwritten in place from its start after each checkpoint and never shrinks, so
 //! once it has reached its working size a sync has only the frames' pages to write, not the
@@ -77,7 +79,7 @@ pub(super) enum Change<'a> {
 pub(super) struct Recovered {
     data: Vec<u8>,
     payloads: Vec<Range<usize>>,
-    /// The sequence number of the last frame found (the checkpoint's if none).
+    /// The sequence number of the last frame found (the database's if none).
     pub(super) last: u64,
 }
 
@@ -142,11 +144,11 @@ impl Journal {
         PathBuf::from(name)
     }
 
-    /// Opens (or creates) the journal of the database at `db`, whose id is `id` and whose last
-    /// checkpoint covered frames up to `checkpointed`; returns it with the frames written since.
-    /// The journal's next frame goes at its start: the caller checkpoints the recovered frames
+    /// Opens (or creates) the journal of the database at `db`, whose id is `id` and which holds
+    /// the changes of frames up to `applied`; returns it with the frames written since. The
+    /// journal's next frame goes at its start: the caller checkpoints the recovered frames
     /// before writing any.
-    pub(super) fn open(db: &Path, id: u64, checkpointed: u64) -> io::Result<(Self, Recovered)> {
+    pub(super) fn open(db: &Path, id: u64, applied: u64) -> io::Result<(Self, Recovered)> {
         let path = Self::path_for(db);
         let mut file = File::options()
             .read(true)
@@ -158,7 +160,7 @@ impl Journal {
         file.read_to_end(&mut data)?;
         let mut payloads = Vec::new();
         let mut at = 0;
-        let mut last = checkpointed;
+        let mut last = applied;
         while let Some((seq, payload, next)) = read_frame(&data, at, id) {
             if seq != last.wrapping_add(1) {
                 break;
@@ -200,6 +202,11 @@ impl Journal {
         self.last
     }
 
+    /// The sequence number the next frame will have.
+    pub(super) fn next(&self) -> u64 {
+        self.last.wrapping_add(1)
+    }
+
     /// Whether frames were written since the last checkpoint.
     pub(super) fn has_frames(&self) -> bool {
         self.end > 0
@@ -233,7 +240,7 @@ impl Journal {
 
     /// Writes the gathered changes as the next frame and syncs it.
     pub(super) fn append(&mut self) -> io::Result<()> {
-        let seq = self.last.wrapping_add(1);
+        let seq = self.next();
         let payload_len = self.frame.len() - HEAD_LEN;
         let len = u32::try_from(payload_len)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "journal frame too large"))?;

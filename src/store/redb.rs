@@ -403,7 +403,7 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
     };
     let (journal, recovered) = Journal::open(path, id, applied).map_err(journal_error)?;
     if !recovered.is_empty() {
-        let frames = recovered.frames().count();
+        let frames = recovered.len();
         let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
         {
             let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
@@ -416,13 +416,8 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
                     .map_err(|e| open_error(e.into()))?;
                 }
             }
-            let mut state = txn
-                .open_table(JOURNAL_STATE)
-                .map_err(|e| open_error(e.into()))?;
-            state
-                .insert(JOURNAL_APPLIED, recovered.last)
-                .map_err(|e| open_error(e.into()))?;
         }
+        set_applied(&txn, recovered.last).map_err(open_error)?;
         txn.commit().map_err(|e| open_error(e.into()))?;
         tracing::info!(
             frames,
@@ -432,6 +427,13 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
     }
     let rows = RowIndex::load(&db).map_err(open_error)?;
     Ok((db, journal, rows))
+}
+
+/// Records in `txn` that the database holds the changes of journal frames up to `seq`.
+fn set_applied(txn: &redb::WriteTransaction, seq: u64) -> Result<(), redb::Error> {
+    txn.open_table(JOURNAL_STATE)?
+        .insert(JOURNAL_APPLIED, seq)?;
+    Ok(())
 }
 
 /// The journal's id (made, in `txn`, for a file that has none yet) and the last frame whose
@@ -1023,6 +1025,14 @@ struct Writer {
     rows: RowIndex,
 }
 
+/// Whether a batch is committed durably by redb (a checkpoint) only when one is due, or now.
+#[derive(Clone, Copy)]
+enum Checkpoint {
+    WhenDue,
+    /// At close, so that the next open has no journal to apply.
+    Now,
+}
+
 /// A file whose handle refuses work, and when to try reopening it.
 struct Poisoned {
     cause: Arc<redb::Error>,
@@ -1072,29 +1082,22 @@ impl Writer {
         self.checkpoint_on_close();
     }
 
-    /// Commits the database durably at close, so the next open has no journal to apply.
+    /// Commits the database durably at close (a batch of no changes, checkpointing whatever
+    /// the journal holds), so the next open has no journal to apply.
     fn checkpoint_on_close(&mut self) {
-        let (Some(db), Some(journal), None) = (&self.db, &mut self.journal, &self.poisoned) else {
-            return;
-        };
-        if !journal.has_frames() {
+        if self.poisoned.is_some() {
             return;
         }
-        let result = (|| {
-            let txn = db.begin_write()?;
-            txn.open_table(JOURNAL_STATE)?
-                .insert(JOURNAL_APPLIED, journal.last())?;
-            txn.commit()?;
-            Ok::<_, redb::Error>(())
-        })();
-        match result {
-            Ok(()) => journal.checkpointed(),
+        let close = Checkpoint::Now;
+        if let Err((e, _)) =
+            self.transact(&mut std::iter::empty(), &mut Vec::new(), now_ms(), close)
+        {
             // Nothing is lost: the journal is applied at the next open.
-            Err(e) => tracing::warn!(
+            tracing::warn!(
                 path = %self.path.display(),
                 error = %e,
                 "redb checkpoint at close failed"
-            ),
+            );
         }
     }
 
@@ -1124,7 +1127,7 @@ impl Writer {
         let now = now_ms();
         let mut dones: Vec<Done> = Vec::with_capacity(batch.len());
         let mut ops = batch.drain(..);
-        let result = self.transact(&mut ops, &mut dones, now);
+        let result = self.transact(&mut ops, &mut dones, now, Checkpoint::WhenDue);
         let failure = match result {
             Ok(committed) => {
                 if committed {
@@ -1241,6 +1244,7 @@ impl Writer {
         ops: &mut impl Iterator<Item = Op>,
         dones: &mut Vec<Done>,
         now: u64,
+        checkpoint: Checkpoint,
     ) -> Result<bool, (Arc<redb::Error>, bool)> {
         let fail = |e: redb::Error| (Arc::new(e), false);
         let (Some(db), Some(journal)) = (&self.db, &mut self.journal) else {
@@ -1273,7 +1277,8 @@ impl Writer {
             (tables.dirty, swept_all)
         };
         self.more_expired = !swept_all;
-        let checkpoint_due = self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY;
+        let checkpoint_due = matches!(checkpoint, Checkpoint::Now)
+            || self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY;
         // A batch that changed nothing commits only to checkpoint frames a second old: the
         // idle writer's sweep ticks do that, so no change lives in the journal alone for long.
         let idle_checkpoint = checkpoint_due && journal.has_frames();
@@ -1292,16 +1297,12 @@ impl Writer {
         } else {
             journal.next()
         };
-        txn.open_table(JOURNAL_STATE)
-            .map_err(|e| fail(e.into()))?
-            .insert(JOURNAL_APPLIED, applied)
-            .map_err(|e| fail(e.into()))?;
+        set_applied(&txn, applied).map_err(fail)?;
         if checkpoint {
             tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
             txn.set_durability(Durability::Immediate)
                 .map_err(|e| fail(e.into()))?;
             txn.commit().map_err(committed)?;
-            journal.discard();
             journal.checkpointed();
             self.checkpointed_at = Instant::now();
         } else {
@@ -1451,9 +1452,20 @@ impl Tables<'_> {
     }
 
     /// Removes a row and its expiry entry (the key's entry is the caller's to update).
-    fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
-        self.records.remove(row)?;
+    /// Removes a row from the table and notes it in the batch's journal frame; `None` if
+    /// there was no such row, else the record key it held (`None` if undecodable).
+    fn take_row(&mut self, row: u64) -> Result<Option<Option<RecordKey>>, redb::Error> {
+        let Some(value) = self.records.remove(row)? else {
+            return Ok(None);
+        };
+        let key = split_row(value.value()).ok().map(|(key, _)| key);
+        drop(value);
         self.journal.remove(row);
+        Ok(Some(key))
+    }
+
+    fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
+        self.take_row(row)?;
         self.rows.expiries.remove(&(expiry, row));
         Ok(())
     }
@@ -1601,12 +1613,7 @@ impl Tables<'_> {
             removed += 1;
             // The index moves with every write, so a due entry is the row's own expiry. An
             // undecodable row is removed when due too.
-            let key = match self.records.remove(row)? {
-                Some(value) => split_row(value.value()).ok().map(|(key, _)| key),
-                None => continue,
-            };
-            self.journal.remove(row);
-            if let Some(key) = key {
+            if let Some(Some(key)) = self.take_row(row)? {
                 self.rows.forget(&key, Some(row));
             }
         }

@@ -91,6 +91,11 @@ impl Recovered {
         })
     }
 
+    /// How many frames there are to apply.
+    pub(super) fn len(&self) -> usize {
+        self.payloads.len()
+    }
+
     pub(super) fn is_empty(&self) -> bool {
         self.payloads.is_empty()
     }

@@ -186,6 +186,9 @@ done
 # CPU ticks (user + system) a process has used so far.
 busy_ticks() { cpu_ticks "$1" | awk '{print $1 + $2}'; }
 TCK=$(getconf CLK_TCK)
+# Ticks the hypervisor has taken from the servers' core so far (its "steal" time: the core was
+# running something else of the host's while this machine had work for it); 0 on bare metal.
+steal_ticks() { awk -v cpu="cpu$SERVER_CPU" '$1 == cpu {print $9 + 0}' /proc/stat; }
 
 # Converts wrk's "1.23ms" / "456.00us" / "1.01s" to milliseconds.
 to_ms() {
@@ -225,13 +228,15 @@ run_case() {
     local name label url script pid
     IFS='|' read -r name label url script pid <<<"$spec"
     settle
-    local before after out
+    local before after stolen_before stolen_after out
     before=$(busy_ticks "$pid")
+    stolen_before=$(steal_ticks)
     out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \
         -s "$ROOT/scripts/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
+    stolen_after=$(steal_ticks)
     after=$(busy_ticks "$pid")
     [ -n "$record" ] || return 0
-    local rps p50 p99 total errors cpu_us rss
+    local rps p50 p99 total errors cpu_us rss stolen
     rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
     p50=$(to_ms "$(echo "$out" | awk '$1 == "50%" {print $2}')")
     p99=$(to_ms "$(echo "$out" | awk '$1 == "99%" {print $2}')")
@@ -239,8 +244,10 @@ run_case() {
     errors=$(echo "$out" | awk '/Non-2xx or 3xx responses:/ {n += $NF} /Socket errors:/ {gsub(",", ""); n += $4 + $6 + $8 + $10} END {print n + 0}')
     cpu_us=$(awk -v a="$after" -v b="$before" -v t="$TCK" -v n="$total" 'BEGIN { printf "%.2f", (n > 0) ? (a - b) * 1e6 / t / n : 0 }')
     rss=$(rss_kib "$pid")
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rps" "$p50" "$p99" "$cpu_us" "$errors" "$total" "$rss" >>"$RESULTS"
-    log "$(printf '%-24s run %s: %9.0f req/s  p50 %6.3f ms  p99 %7.3f ms  %6.2f us/req CPU  %s errors' "$label" "$run" "$rps" "$p50" "$p99" "$cpu_us" "$errors")"
+    # The share of the run's wall time the servers' core was taken by the hypervisor.
+    stolen=$(awk -v a="$stolen_after" -v b="$stolen_before" -v t="$TCK" -v s="$secs" 'BEGIN { printf "%.1f", (a - b) * 100 / t / s }')
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rps" "$p50" "$p99" "$cpu_us" "$errors" "$total" "$rss" "$stolen" >>"$RESULTS"
+    log "$(printf '%-24s run %s: %9.0f req/s  p50 %6.3f ms  p99 %7.3f ms  %6.2f us/req CPU  %4.1f %% stolen  %s errors' "$label" "$run" "$rps" "$p50" "$p99" "$cpu_us" "$stolen" "$errors")"
 }
 
 log "warm-up: ${WARMUP}s per case"
@@ -264,6 +271,10 @@ for spec in "${CASES[@]}"; do
     RPS[$name]=$(median "$name" 2)
 done
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f×", a / b; else print "–" }'; }
+# One column of a case's runs, in order, comma-separated.
+by_run() { # name column
+    awk -F'\t' -v n="$1" -v c="$2" '$1 == n { printf "%s%s", (k++ ? ", " : ""), $c }' "$RESULTS"
+}
 # The ratio of two cases within each round, in order: the same minutes on the machine.
 by_round() { # name base
     paste <(awk -F'\t' -v n="$1" '$1 == n {print $2}' "$RESULTS") \
@@ -283,15 +294,17 @@ REPORT="$TMP/report.md"
     echo "redis-server pinned to core $SERVER_CPU. Each case: median of $REPEATS interleaved runs of ${DURATION} s (after a ${WARMUP} s warm-up)."
     echo "Record ttl ${RECORD_TTL}. CPU is the user+system time of the serving process (the upstream, the nginx worker, or idemgate) per request."
     echo
-    echo "| case | req/s | p50 ms | p99 ms | CPU µs/req | RSS MiB | × nginx pass-through | × direct upstream | errors |"
-    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    echo "Stolen is the share of each run's time the hypervisor took core $SERVER_CPU for other work (steal time, by run)."
+    echo
+    echo "| case | req/s | p50 ms | p99 ms | CPU µs/req | RSS MiB | × nginx pass-through | × direct upstream | errors | stolen % |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for spec in "${CASES[@]}"; do
         IFS='|' read -r name label _ <<<"$spec"
-        printf '| %s | %.0f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s |\n' "$label" "${RPS[$name]}" \
+        printf '| %s | %.0f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s | %s |\n' "$label" "${RPS[$name]}" \
             "$(median "$name" 3)" "$(median "$name" 4)" "$(median "$name" 5)" \
             "$(awk -v k="$(median "$name" 8)" 'BEGIN {print k / 1024}')" \
             "$(ratio "${RPS[$name]}" "${RPS[nginx_proxy]}")" "$(ratio "${RPS[$name]}" "${RPS[direct]}")" \
-            "$(sum_col "$name" 6)"
+            "$(sum_col "$name" 6)" "$(by_run "$name" 9)"
     done
     echo
     echo "The targets are met or not on the medians; \"by round\" gives the same ratio within each round."

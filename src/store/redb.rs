@@ -11,14 +11,17 @@
 //! batch's answers cost its callers' runtime one wake-up from the writer thread, not one each
 //! (see [`Handout`]).
 //!
-//! A batch is made durable by its journal frame: the batch is committed to redb without a
-//! sync, and its row changes are appended to the journal beside the file and synced (one
-//! write, where a durable redb commit writes some twenty scattered pages). About once a
-//! second, or when the journal passes 16 MiB, a batch is committed durably by redb instead (a
-//! checkpoint) and the journal starts again; at open, the frames written since the last
-//! checkpoint are applied again (see [`journal`]). A clean close ends with a checkpoint, and
-//! an idle writer checkpoints its last frames at its next sweep tick once one is due, so a
-//! change lives in the journal alone for a second or two at most.
+//! A batch is made durable by its journal frame: the batch is applied to the writer's open
+//! write transaction, which is not committed, and its row changes are appended to the journal
+//! beside the file and synced (one write, where a durable redb commit writes some twenty
+//! scattered pages). About once a second, or when the journal passes 16 MiB, that transaction
+//! is committed durably (a checkpoint): the pages the batches of a second changed again and
+//! again are copied and written once. The journal then starts again; at open, the frames
+//! written since the last checkpoint are applied again (see [`journal`]). A clean close ends
+//! with a checkpoint, and an idle writer checkpoints its last frames at its next sweep tick
+//! once one is due, so a change lives in the journal alone for a second or two at most. Any
+//! failure once the transaction holds changes refuses changes until the file is reopened,
+//! which applies the journal.
 //!
 //! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
 //! process that wrote it.
@@ -46,7 +49,7 @@
 //!
 //! The file's other table, `journal`, holds the journal's id (so a journal left beside
 //! another database is not applied) and the sequence number of the last journal frame whose
-//! changes the database holds, written with each batch.
+//! changes the database holds, written with each checkpoint.
 //!
 //! Older layouts are brought over when a file is opened: the first (`records` by record key)
 //! is rewritten in this one; the second also kept the expiry index on disk
@@ -111,9 +114,8 @@ const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_write");
 /// The journal's id ([`JOURNAL_ID`]) and the sequence number of the last journal frame whose
-/// changes the database holds ([`JOURNAL_APPLIED`]), written with every batch's commit: after
-/// a crash it is the checkpoint's, and if redb makes later batches durable itself (it does at
-/// a close), theirs, so no frame is applied twice.
+/// changes the database holds ([`JOURNAL_APPLIED`]), written with every checkpoint, the only
+/// commits after the file is opened.
 const JOURNAL_STATE: TableDefinition<&str, u64> = TableDefinition::new("journal");
 const JOURNAL_ID: &str = "id";
 const JOURNAL_APPLIED: &str = "applied";
@@ -264,6 +266,7 @@ impl RedbStore {
             answers: Arc::clone(&answers),
             db: Some(db),
             journal: Some(journal),
+            txn: None,
             checkpointed_at: Instant::now(),
             path: Arc::clone(&path),
             poisoned: None,
@@ -1002,6 +1005,11 @@ struct Writer {
     db: Option<Database>,
     /// The open file's journal; `None` exactly when `db` is.
     journal: Option<Journal>,
+    /// The write transaction that holds every change since the last checkpoint. Each batch
+    /// is applied to it and made durable by its journal frame; only a checkpoint commits it,
+    /// so a page the batches of a second change again and again is copied and written once.
+    /// Every failure once it holds changes poisons the file: the reopen applies the journal.
+    txn: Option<redb::WriteTransaction>,
     /// When the database was last committed durably.
     checkpointed_at: Instant,
     path: Arc<Path>,
@@ -1146,13 +1154,6 @@ impl Writer {
                     poisoned || matches!(*cause, redb::Error::Io(_) | redb::Error::PreviousIo);
                 if poisoned {
                     self.poison(Arc::clone(&cause));
-                } else {
-                    // The batch was rolled back: so are the row numbers it moved.
-                    match self.db.as_ref().map(RowIndex::load) {
-                        Some(Ok(rows)) => self.rows = rows,
-                        Some(Err(e)) => self.poison(Arc::new(e)),
-                        None => {}
-                    }
                 }
                 Some(Failure {
                     path: Arc::clone(&self.path),
@@ -1204,6 +1205,7 @@ impl Writer {
             Some(_) => {}
         }
         // The failed handle still holds the file's lock: close it before opening again.
+        self.txn = None;
         self.db = None;
         self.journal = None;
         match open_file(&self.path) {
@@ -1236,9 +1238,11 @@ impl Writer {
         }
     }
 
-    /// The transaction of one batch; `Ok(true)` if it committed changes. An error aborts it
-    /// (nothing is changed) unless it came from the commit, which is reported as poisoning
-    /// the handle.
+    /// Applies one batch to the open write transaction and makes it durable: by its journal
+    /// frame, or by committing the transaction when a checkpoint is due. `Ok(true)` if the
+    /// batch changed anything (or checkpointed). The error's flag says whether the file is
+    /// poisoned: every failure once the transaction holds changes is, since those changes can
+    /// come back only from the journal, at the reopen.
     fn transact(
         &mut self,
         ops: &mut impl Iterator<Item = Op>,
@@ -1246,15 +1250,19 @@ impl Writer {
         now: u64,
         checkpoint: Checkpoint,
     ) -> Result<bool, (Arc<redb::Error>, bool)> {
-        let fail = |e: redb::Error| (Arc::new(e), false);
+        let lost = |e: redb::Error| (Arc::new(e), true);
         let (Some(db), Some(journal)) = (&self.db, &mut self.journal) else {
             return Err((Arc::new(redb::Error::PreviousIo), true));
         };
         journal.discard();
-        let mut txn = db.begin_write().map_err(|e| fail(e.into()))?;
+        let mut txn = match self.txn.take() {
+            Some(txn) => txn,
+            // Nothing is held yet, so nothing is lost if no transaction can be had.
+            None => db.begin_write().map_err(|e| (Arc::new(e.into()), false))?,
+        };
         let (dirty, swept_all) = {
             let mut tables = Tables {
-                records: txn.open_table(RECORDS).map_err(|e| fail(e.into()))?,
+                records: txn.open_table(RECORDS).map_err(|e| lost(e.into()))?,
                 rows: &mut self.rows,
                 journal,
                 dirty: false,
@@ -1267,11 +1275,11 @@ impl Writer {
                 let (done, error) = tables.apply(op, now, &mut swept_all);
                 dones.push(done);
                 if let Some(e) = error {
-                    return Err(fail(e));
+                    return Err(lost(e));
                 }
             }
             if tables.dirty {
-                let removed = tables.sweep(now, PIGGYBACK_SWEEP).map_err(fail)?;
+                let removed = tables.sweep(now, PIGGYBACK_SWEEP).map_err(lost)?;
                 swept_all &= removed < PIGGYBACK_SWEEP;
             }
             (tables.dirty, swept_all)
@@ -1279,40 +1287,30 @@ impl Writer {
         self.more_expired = !swept_all;
         let checkpoint_due = matches!(checkpoint, Checkpoint::Now)
             || self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY;
-        // A batch that changed nothing commits only to checkpoint frames a second old: the
-        // idle writer's sweep ticks do that, so no change lives in the journal alone for long.
+        // The transaction holds changes exactly when the journal has frames. A batch that
+        // changed nothing commits only to checkpoint frames a second old: the idle writer's
+        // sweep ticks do that, so no change lives in the journal alone for long.
         let idle_checkpoint = checkpoint_due && journal.has_frames();
         if !dirty && !idle_checkpoint {
-            txn.abort().map_err(|e| fail(e.into()))?;
+            self.txn = Some(txn);
             return Ok(false);
         }
         #[cfg(test)]
         self.commits
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let committed = |e: redb::CommitError| (Arc::new(e.into()), true);
-        let checkpoint = checkpoint_due || journal.size_with_pending() > journal::CHECKPOINT_AT;
-        // A checkpoint holds every frame written so far; a journalled batch, its own frame too.
-        let applied = if checkpoint {
-            journal.last()
-        } else {
-            journal.next()
-        };
-        set_applied(&txn, applied).map_err(fail)?;
-        if checkpoint {
+        if checkpoint_due || journal.size_with_pending() > journal::CHECKPOINT_AT {
             tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
+            // The commit holds every frame written so far, and this batch, which has none.
+            set_applied(&txn, journal.last()).map_err(lost)?;
             txn.set_durability(Durability::Immediate)
-                .map_err(|e| fail(e.into()))?;
-            txn.commit().map_err(committed)?;
+                .map_err(|e| lost(e.into()))?;
+            txn.commit().map_err(|e| lost(e.into()))?;
             journal.checkpointed();
             self.checkpointed_at = Instant::now();
         } else {
             tracing::trace!(changes = dones.len(), "redb group commit, journalled");
-            txn.set_durability(Durability::None)
-                .map_err(|e| fail(e.into()))?;
-            txn.commit().map_err(committed)?;
-            journal
-                .append()
-                .map_err(|e| (Arc::new(redb::Error::Io(e)), true))?;
+            journal.append().map_err(|e| lost(redb::Error::Io(e)))?;
+            self.txn = Some(txn);
         }
         Ok(true)
     }
@@ -1844,6 +1842,7 @@ mod tests {
             answers: Arc::new(Handout::new()),
             db: Some(db),
             journal: Some(journal),
+            txn: None,
             checkpointed_at: Instant::now(),
             path: Arc::from(path),
             poisoned: None,
@@ -1960,31 +1959,42 @@ mod tests {
         remove_files(&path);
     }
 
-    /// A batch whose frame could not be written may still be made durable by redb when the
-    /// failed handle is closed; the frames before it are then not applied again, which would
-    /// bring back what it removed.
+    /// A batch whose frame could not be written was answered as failed, and it is not
+    /// applied: the reopen brings back, from the journal, every batch acknowledged since the
+    /// last checkpoint (which redb itself never committed) and nothing of the failed one.
     #[test]
-    fn frames_a_closed_handle_made_durable_are_not_applied_again() {
+    fn a_batch_whose_frame_failed_is_not_applied_and_those_before_it_are() {
         let path = temp_path("frame-failed");
         let mut writer = test_writer(&path, open_file(&path).unwrap());
         let key = Hash256::of(b"k");
         let token = OwnerToken::generate();
         let claimed = run_one(&mut writer, claim_op(key, token));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        assert!(writer.txn.is_some(), "journalled, not committed");
 
         writer.journal.as_mut().unwrap().fail_writes().unwrap();
-        // The claim's commit set the wait before a reopen back to a second.
+        // The claim's batch set the wait before a reopen back to a second.
         writer.reopen_wait = Duration::ZERO;
         let released = run_one(&mut writer, |reply| Op::Release { key, token, reply });
         assert!(
             matches!(released, Err(StoreError::Unavailable { .. })),
             "{released:?}"
         );
-        // The reopen comes first: redb's close made the release durable, as it does with
-        // every commit it holds.
         let found = run_one(&mut writer, |reply| Op::Get { key, reply });
         assert!(writer.poisoned.is_none(), "reopened");
-        assert!(matches!(found, Ok(None)), "{found:?}");
+        assert!(
+            matches!(found, Ok(Some(Record::InFlight { .. }))),
+            "{found:?}"
+        );
+        // Still the claim's own: its owner renews it.
+        let lease = Duration::from_secs(600);
+        let renewed = run_one(&mut writer, |reply| Op::Renew {
+            key,
+            token,
+            lease,
+            reply,
+        });
+        assert!(matches!(renewed, Ok(Transition::Applied)), "{renewed:?}");
         drop(writer);
         remove_files(&path);
     }
@@ -2003,6 +2013,13 @@ mod tests {
         let journal = writer.journal.as_ref().unwrap();
         assert!(journal.has_frames());
         let last = journal.last();
+        // The claim is durable in the journal and held by the open transaction; the file's
+        // committed state does not have it yet.
+        let committed_rows = |writer: &Writer| {
+            let txn = writer.db.as_ref().unwrap().begin_read().unwrap();
+            txn.open_table(RECORDS).unwrap().len().unwrap()
+        };
+        assert_eq!(committed_rows(&writer), 0);
 
         // Not yet due: a sweep that removes nothing leaves the journal as it is.
         let sweep = |reply| Op::Sweep { reply: Some(reply) };
@@ -2012,6 +2029,7 @@ mod tests {
         writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
         assert_eq!(run_one(&mut writer, sweep).unwrap(), 0);
         assert!(!writer.journal.as_ref().unwrap().has_frames());
+        assert_eq!(committed_rows(&writer), 1);
         let db = writer.db.as_ref().unwrap();
         let txn = db.begin_read().unwrap();
         let state = txn.open_table(JOURNAL_STATE).unwrap();

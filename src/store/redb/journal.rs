@@ -4,16 +4,14 @@
 //! A durable redb commit writes every page the batch touched (the table's leaves and branches,
 //! the allocator's and the free list's pages) where each lives in the file, about twenty
 //! scattered writes, then syncs. Appending the same batch's row changes to the journal is one
-//! write at the journal's end. So the writer commits most batches to the database without a
-//! sync ([`redb::Durability::None`]) and makes them durable here; about once a second, or when
-//! the journal has grown past [`CHECKPOINT_AT`], a batch is committed durably instead (a
-//! checkpoint), and the journal starts again from its beginning. Every batch's commit records
-//! the sequence number of the last frame whose changes the database holds.
+//! write at the journal's end. So the writer applies the batches to one open write
+//! transaction and makes each durable here; about once a second, or when the journal has grown
+//! past [`CHECKPOINT_AT`], the transaction is committed durably (a checkpoint) with the
+//! sequence number of the last frame it holds, and the journal starts again from its
+//! beginning.
 //!
 //! After a crash, redb returns to its last checkpoint and the frames written since are applied
-//! again ([`Recovered`]): every change the store acknowledged is back. (Where redb made later
-//! batches durable on its own, as it does when a handle is closed, the database's number is
-//! theirs and those frames are not applied twice.)
+//! again ([`Recovered`]): every change the store acknowledged is back.
 //!
 //! # Frame layout
 //!

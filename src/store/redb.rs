@@ -264,9 +264,9 @@ impl RedbStore {
             #[cfg(test)]
             commits: Arc::clone(&commits),
             answers: Arc::clone(&answers),
+            txn: None,
             db: Some(db),
             journal: Some(journal),
-            txn: None,
             checkpointed_at: Instant::now(),
             path: Arc::clone(&path),
             poisoned: None,
@@ -1001,15 +1001,16 @@ struct Writer {
     commits: Arc<std::sync::atomic::AtomicU64>,
     /// Where each batch's answers go once it is committed (or failed).
     answers: Arc<Handout<Done>>,
-    /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
-    db: Option<Database>,
-    /// The open file's journal; `None` exactly when `db` is.
-    journal: Option<Journal>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
     /// is applied to it and made durable by its journal frame; only a checkpoint commits it,
     /// so a page the batches of a second change again and again is copied and written once.
     /// Every failure once it holds changes poisons the file: the reopen applies the journal.
+    /// Declared before `db`, so it is dropped (aborted) before the file is closed.
     txn: Option<redb::WriteTransaction>,
+    /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
+    db: Option<Database>,
+    /// The open file's journal; `None` exactly when `db` is.
+    journal: Option<Journal>,
     /// When the database was last committed durably.
     checkpointed_at: Instant,
     path: Arc<Path>,
@@ -1840,9 +1841,9 @@ mod tests {
         Writer {
             commits: Arc::default(),
             answers: Arc::new(Handout::new()),
+            txn: None,
             db: Some(db),
             journal: Some(journal),
-            txn: None,
             checkpointed_at: Instant::now(),
             path: Arc::from(path),
             poisoned: None,

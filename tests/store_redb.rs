@@ -31,14 +31,19 @@ impl TempPath {
         );
         Self(std::env::temp_dir().join("idemgate-tests").join(name))
     }
+
+    /// The store's journal beside the file (what `RedbStore::journal_path` names).
+    fn journal(&self) -> std::path::PathBuf {
+        let mut journal = self.0.clone().into_os_string();
+        journal.push("-journal");
+        journal.into()
+    }
 }
 
 impl Drop for TempPath {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-        let mut journal = self.0.clone().into_os_string();
-        journal.push("-journal");
-        let _ = std::fs::remove_file(journal);
+        let _ = std::fs::remove_file(self.journal());
     }
 }
 
@@ -370,13 +375,12 @@ async fn acknowledged_records_survive_kill_9() {
         "the child acknowledged only {} records",
         acked.len()
     );
-    let mut journal = path.0.clone().into_os_string();
-    journal.push("-journal");
+    let journal = path.journal();
     let journalled = std::fs::metadata(&journal).map_or(0, |m| m.len());
     assert!(journalled > 0, "the kill left a journal to apply");
 
     let store = RedbStore::open(&path.0).expect("the file opens after a kill -9");
-    assert_eq!(store.journal_path().into_os_string(), journal);
+    assert_eq!(store.journal_path(), journal);
     for &i in &acked {
         let key = crash_key(i);
         match claim(&store, &key, &long()).await {

@@ -630,9 +630,14 @@ fn row_expiry(row: &[u8]) -> u64 {
 fn encode_row(key: &RecordKey, header: &Header, completion: &[u8]) -> Vec<u8> {
     // Key, header, then the largest state fields (an owner token and a lease deadline).
     let mut row = Vec::with_capacity(32 + HEADER_LEN + 24 + completion.len());
-    row.extend_from_slice(&key.0);
-    header.encode_into(&mut row, completion);
+    encode_row_into(&mut row, key, header, completion);
     row
+}
+
+/// Appends a row (record key, then the record) to `out`.
+fn encode_row_into(out: &mut Vec<u8>, key: &RecordKey, header: &Header, completion: &[u8]) {
+    out.extend_from_slice(&key.0);
+    header.encode_into(out, completion);
 }
 
 /// Splits a stored row into its record key and its record.
@@ -1110,7 +1115,8 @@ impl Writer {
         }
     }
 
-    /// Applies `batch` in one write transaction and answers each change after the commit.
+    /// Applies `batch` in one write transaction and answers each change once the batch is
+    /// durable (or failed).
     fn run_batch(&mut self, batch: &mut Vec<Op>) {
         if !self.reopen_if_poisoned() {
             if let Some(poisoned) = &self.poisoned {
@@ -1255,7 +1261,6 @@ impl Writer {
         let (Some(db), Some(journal)) = (&self.db, &mut self.journal) else {
             return Err((Arc::new(redb::Error::PreviousIo), true));
         };
-        journal.discard();
         let mut txn = match self.txn.take() {
             Some(txn) => txn,
             // Nothing is held yet, so nothing is lost if no transaction can be had.
@@ -1434,9 +1439,11 @@ impl Tables<'_> {
             self.remove_row(row, expiry)?;
         }
         let row = self.rows.take_next();
-        let value = encode_row(key, header, completion);
-        self.records.insert(row, value.as_slice())?;
-        self.journal.put(row, &value);
+        // Encoded once, into the journal's frame, and inserted from there.
+        let value = self.journal.put(row, |out| {
+            encode_row_into(out, key, header, completion);
+        });
+        self.records.insert(row, value)?;
         self.rows.expiries.insert((header.expires, row));
         self.rows.set_row(*key, row);
         self.dirty = true;
@@ -1450,7 +1457,6 @@ impl Tables<'_> {
         Ok(())
     }
 
-    /// Removes a row and its expiry entry (the key's entry is the caller's to update).
     /// Removes a row from the table and notes it in the batch's journal frame; `None` if
     /// there was no such row, else the record key it held (`None` if undecodable).
     fn take_row(&mut self, row: u64) -> Result<Option<Option<RecordKey>>, redb::Error> {
@@ -1463,6 +1469,7 @@ impl Tables<'_> {
         Ok(Some(key))
     }
 
+    /// Removes a row and its expiry entry (the key's entry is the caller's to update).
     fn remove_row(&mut self, row: u64, expiry: u64) -> Result<(), redb::Error> {
         self.take_row(row)?;
         self.rows.expiries.remove(&(expiry, row));

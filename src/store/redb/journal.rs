@@ -206,7 +206,7 @@ impl Journal {
     }
 
     /// The sequence number the next frame will have.
-    pub(super) fn next(&self) -> u64 {
+    fn next(&self) -> u64 {
         self.last.wrapping_add(1)
     }
 
@@ -220,14 +220,19 @@ impl Journal {
         self.end + (self.frame.len() + CHECKSUM_LEN) as u64
     }
 
-    /// Notes that `row` now holds `value`.
-    pub(super) fn put(&mut self, row: u64, value: &[u8]) {
+    /// Notes that `row` now holds the value `encode` appends to the buffer it is given, and
+    /// returns that value as the frame holds it.
+    pub(super) fn put(&mut self, row: u64, encode: impl FnOnce(&mut Vec<u8>)) -> &[u8] {
         self.frame.push(TAG_PUT);
         self.frame.extend_from_slice(&row.to_le_bytes());
+        let len_at = self.frame.len();
+        self.frame.extend_from_slice(&[0; 4]);
+        encode(&mut self.frame);
+        let value = len_at + 4;
         // A row is far below 4 GiB: the proxy bounds the responses it keeps.
-        self.frame
-            .extend_from_slice(&(value.len() as u32).to_le_bytes());
-        self.frame.extend_from_slice(value);
+        let len = (self.frame.len() - value) as u32;
+        self.frame[len_at..value].copy_from_slice(&len.to_le_bytes());
+        &self.frame[value..]
     }
 
     /// Notes that `row` was removed.
@@ -236,8 +241,8 @@ impl Journal {
         self.frame.extend_from_slice(&row.to_le_bytes());
     }
 
-    /// Drops the gathered changes (their batch was checkpointed or rolled back).
-    pub(super) fn discard(&mut self) {
+    /// Drops the gathered changes.
+    fn discard(&mut self) {
         self.frame.truncate(HEAD_LEN);
     }
 
@@ -272,9 +277,11 @@ impl Journal {
         Ok(())
     }
 
-    /// Starts the journal again from its beginning: every frame so far is in a durable commit.
+    /// Starts the journal again from its beginning: every frame so far, and the changes
+    /// gathered since, are in a durable commit.
     pub(super) fn checkpointed(&mut self) {
         self.end = 0;
+        self.discard();
     }
 }
 
@@ -346,10 +353,10 @@ mod tests {
         let mut expected = db.clone().into_os_string();
         expected.push("-journal");
         assert_eq!(journal.path().as_os_str(), expected);
-        journal.put(1, b"one");
+        journal.put(1, |out| out.extend_from_slice(b"one"));
         journal.remove(0);
         journal.append().unwrap();
-        journal.put(2, b"");
+        journal.put(2, |out| out.extend_from_slice(b""));
         journal.append().unwrap();
         assert_eq!(journal.last(), 2);
         drop(journal);
@@ -379,13 +386,13 @@ mod tests {
         let db = &db.0;
         let (mut journal, _) = Journal::open(db, 1, 0).unwrap();
         for row in 0..3 {
-            journal.put(row, b"value");
+            journal.put(row, |out| out.extend_from_slice(b"value"));
             journal.append().unwrap();
         }
         // A checkpoint, then one new frame over the first old one: the old second and third
         // frames after it are whole but belong to the previous round.
         journal.checkpointed();
-        journal.put(9, b"new");
+        journal.put(9, |out| out.extend_from_slice(b"new"));
         journal.append().unwrap();
         drop(journal);
         let (_, recovered) = Journal::open(db, 1, 3).unwrap();

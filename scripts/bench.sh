@@ -4,7 +4,7 @@
 #   scripts/bench.sh            # build, run every case, print the table, update BENCHMARKS.md
 #
 # Settings (environment):
-#   DURATION=10      seconds per measured run          REPEATS=3    runs per case (interleaved)
+#   DURATION=10      seconds per measured run          REPEATS=5    runs per case (interleaved)
 #   CONNECTIONS=64   wrk connections                   THREADS=2    wrk threads
 #   WARMUP=2         seconds of warm-up per case       STORES="memory redb redis"
 #   SERVER_CPU=0     core for upstream, nginx, idemgate and redis-server
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 DURATION=${DURATION:-10}
-REPEATS=${REPEATS:-3}
+REPEATS=${REPEATS:-5}
 CONNECTIONS=${CONNECTIONS:-64}
 THREADS=${THREADS:-2}
 WARMUP=${WARMUP:-2}

@@ -1596,8 +1596,9 @@ impl Tables<'_> {
                 Ok(h.is_live(now))
             }
             Err(_) => {
-                // Its expiry entry finds no row when it comes due.
-                self.records.remove(row)?;
+                // Through the journal like every removal, or a crash brings the row back. Its
+                // expiry entry finds no row when it comes due.
+                self.take_row(row)?;
                 self.rows.forget(key, None);
                 self.dirty = true;
                 Ok(true)
@@ -2003,6 +2004,50 @@ mod tests {
             reply,
         });
         assert!(matches!(renewed, Ok(Transition::Applied)), "{renewed:?}");
+        drop(writer);
+        remove_files(&path);
+    }
+
+    /// An operator's delete of a record that cannot be read is journalled like any other
+    /// change: after a crash before the next checkpoint, the record stays deleted.
+    #[test]
+    fn deleting_an_undecodable_record_survives_a_crash() {
+        let path = temp_path("delete-undecodable");
+        let key = Hash256::of(b"broken");
+        {
+            let (db, _, _) = open_file(&path).unwrap();
+            let header = Header {
+                fingerprint: Hash256::of(b"fp"),
+                expires: now_ms() + 600_000,
+                state: StateHeader::Ambiguous { since: 1 },
+            };
+            let mut row = encode_row(&key, &header, &[]);
+            row[32 + 1] = 9; // an unknown state: the record cannot be read
+            let txn = db.begin_write().unwrap();
+            txn.open_table(RECORDS)
+                .unwrap()
+                .insert(0, row.as_slice())
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let found = run_one(&mut writer, |reply| Op::Get { key, reply });
+        assert!(
+            matches!(found, Err(StoreError::Corrupt { .. })),
+            "{found:?}"
+        );
+        let deleted = run_one(&mut writer, |reply| Op::Delete { key, reply });
+        assert!(matches!(deleted, Ok(true)), "{deleted:?}");
+        assert!(writer.txn.is_some(), "journalled, not committed");
+        // A crash: the writer goes without its closing checkpoint.
+        drop(writer);
+
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let found = run_one(&mut writer, |reply| Op::Get { key, reply });
+        assert!(
+            matches!(found, Ok(None)),
+            "the deleted record came back: {found:?}"
+        );
         drop(writer);
         remove_files(&path);
     }

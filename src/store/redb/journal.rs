@@ -30,7 +30,11 @@
 //! row number). Recovery reads frames from the file's start for as long as each one is whole,
 //! carries this database's id and has the sequence number after the previous one (the first,
 //! the one after the database's). A torn last frame, zeros, or frames of an earlier round
-//! (their numbers are at or below the database's) end it.
+//! (their numbers are at or below the database's) end it. A whole frame of this database
+//! numbered past the last one read, found anywhere after that point, means a frame in the
+//! middle was damaged: the open then fails with an error naming the journal and the frame,
+//! rather than dropping the acknowledged changes of every frame after it. The operator may
+//! accept that loss by cutting the journal at the damaged frame, as the error says.
 //!
 //! The file is overwritten in place from its start after each checkpoint and never shrinks, so
 //! once it has reached its working size a sync has only the frames' pages to write, not the
@@ -172,6 +176,22 @@ impl Journal {
             last = seq;
             at = next;
         }
+        if let Some((later, found_at)) = later_frame(&data, at, id, last) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "frame {} at byte {at} of {} is damaged or missing, yet frame {later} at \
+                     byte {found_at} after it is whole: applying the frames before it would \
+                     silently drop acknowledged changes. To start anyway, accepting the loss \
+                     of frame {} and every frame after it, cut the journal there: \
+                     truncate -s {at} '{}'",
+                    last.wrapping_add(1),
+                    path.display(),
+                    last.wrapping_add(1),
+                    path.display(),
+                ),
+            ));
+        }
         let journal = Self {
             file,
             path,
@@ -285,6 +305,24 @@ impl Journal {
     }
 }
 
+/// A whole frame of database `id` at or after `from` whose sequence number is past `last`,
+/// the last frame recovery read: its number and where it starts. Recovery stops at the first
+/// frame that is not whole or does not follow; after a torn last frame there are only zeros or
+/// frames of earlier rounds (numbered at or below the checkpoint's), so a later frame means a
+/// frame in the middle was damaged.
+fn later_frame(data: &[u8], from: usize, id: u64, last: u64) -> Option<(u64, usize)> {
+    let rest = data.get(from..)?;
+    rest.windows(MAGIC.len())
+        .enumerate()
+        .filter(|(_, window)| window == MAGIC)
+        .find_map(|(offset, _)| {
+            let at = from + offset;
+            read_frame(data, at, id)
+                .filter(|&(seq, _, _)| seq > last)
+                .map(|(seq, _, _)| (seq, at))
+        })
+}
+
 fn checksum(bytes: &[u8]) -> [u8; CHECKSUM_LEN] {
     let digest = Sha256::digest(bytes);
     let mut out = [0; CHECKSUM_LEN];
@@ -374,8 +412,9 @@ mod tests {
 
         // A checkpoint covers every frame written before it, and frames after it start at the
         // journal's beginning: a first frame that does not follow the checkpoint is of an
-        // earlier round. Another database's id: nothing to apply either.
-        assert!(Journal::open(db, 7, 1).unwrap().1.is_empty());
+        // earlier round. A frame past the checkpoint behind it cannot be of one, so that
+        // journal does not match the file. Another database's id: nothing to apply.
+        assert!(Journal::open(db, 7, 1).is_err());
         assert!(Journal::open(db, 7, 2).unwrap().1.is_empty());
         assert!(Journal::open(db, 8, 0).unwrap().1.is_empty());
     }
@@ -411,6 +450,59 @@ mod tests {
         }
         std::fs::write(&path, &whole[..frame_len - 1]).unwrap();
         assert!(Journal::open(db, 1, 3).unwrap().1.is_empty());
+    }
+
+    /// One damaged frame followed by whole frames of the same round: the open fails, naming
+    /// the journal and the damaged frame, instead of applying the frames before it alone.
+    /// Cutting the journal where the error says accepts the loss.
+    #[test]
+    fn a_damaged_frame_before_whole_ones_stops_the_open() {
+        let db = Db::new("journal-damaged-middle");
+        let db = &db.0;
+        let (mut journal, _) = Journal::open(db, 5, 0).unwrap();
+        let mut starts = Vec::new();
+        for row in 0..3 {
+            starts.push(journal.end);
+            journal.put(row, |out| out.extend_from_slice(b"value"));
+            journal.append().unwrap();
+        }
+        drop(journal);
+        let path = Journal::path_for(db);
+        let whole = std::fs::read(&path).unwrap();
+        // A byte of the second frame's payload, and then its magic: each damages frame 2.
+        for at in [starts[1] as usize + HEAD_LEN + 2, starts[1] as usize] {
+            let mut damaged = whole.clone();
+            damaged[at] ^= 0x01;
+            std::fs::write(&path, &damaged).unwrap();
+            let error = Journal::open(db, 5, 0).err().expect("the open fails");
+            assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+            let message = error.to_string();
+            assert!(message.contains("frame 2 at byte"), "{message}");
+            assert!(message.contains("frame 3"), "{message}");
+            assert!(message.contains(&path.display().to_string()), "{message}");
+        }
+        // A frame missing from the sequence is the same damage.
+        let (mut journal, recovered) = Journal::open(db, 6, 0).unwrap();
+        assert!(recovered.is_empty());
+        journal.put(0, |out| out.extend_from_slice(b"a"));
+        journal.append().unwrap();
+        journal.last = 2; // the next frame is numbered 3: frame 2 is missing
+        journal.put(1, |out| out.extend_from_slice(b"b"));
+        journal.append().unwrap();
+        drop(journal);
+        let error = Journal::open(db, 6, 0).err().expect("the open fails");
+        assert!(error.to_string().contains("frame 2 at byte"), "{error}");
+
+        // The operator cuts the journal at the damaged frame: the frames before it apply.
+        let mut damaged = whole.clone();
+        damaged[starts[1] as usize + HEAD_LEN + 2] ^= 0x01;
+        damaged.truncate(starts[1] as usize);
+        std::fs::write(&path, &damaged).unwrap();
+        let (_, recovered) = Journal::open(db, 5, 0).unwrap();
+        assert_eq!(
+            changes(&recovered),
+            vec![vec![(0, Some(b"value".to_vec()))]]
+        );
     }
 
     #[test]

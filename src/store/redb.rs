@@ -47,9 +47,16 @@
 //! records: a 40-byte hash-map entry, up to twice that with the map's spare room, and about
 //! 36 bytes in the set).
 //!
-//! The file's other table, `journal`, holds the journal's id (so a journal left beside
-//! another database is not applied) and the sequence number of the last journal frame whose
-//! changes the database holds, written with each checkpoint.
+//! The file's other table, `journal`, holds the file's format (a binary refuses a file in a
+//! newer format than its own, naming both), the journal's id (so a journal left beside
+//! another database is not applied) and, written with each checkpoint, the sequence number of
+//! the last journal frame whose changes the database holds and the file's mark: the row
+//! high-water mark, the number of rows and a digest of the last one. The journal's frames are
+//! applied at open only to the file that checkpoint left, and each frame must fit it (a row it
+//! writes is new, a row it removes is there): a file another program wrote since, such as a
+//! binary from before the journal started after a crash, refuses to open with an error that
+//! names the journal, rather than have stale frames written over newer records. A downgrade
+//! therefore needs a clean stop, which leaves the journal empty.
 //!
 //! Older layouts are brought over when a file is opened: the first (`records` by record key)
 //! is rewritten in this one; the second also kept the expiry index on disk
@@ -69,6 +76,7 @@ use redb::{
     Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata,
     TableDefinition, TableHandle,
 };
+use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
 use self::journal::{Change, Journal};
@@ -119,6 +127,18 @@ const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("records_by_wr
 const JOURNAL_STATE: TableDefinition<&str, u64> = TableDefinition::new("journal");
 const JOURNAL_ID: &str = "id";
 const JOURNAL_APPLIED: &str = "applied";
+/// The file's format ([`FORMAT`]), checked at every open.
+const FORMAT_KEY: &str = "format";
+/// The row high-water mark at the last checkpoint: no row at or past it was written yet.
+const MARK_NEXT_ROW: &str = "next_row";
+/// How many rows the file held at the last checkpoint.
+const MARK_ROWS: &str = "rows";
+/// A digest of the file's last row (its number and bytes) at the last checkpoint; 0 if none.
+const MARK_LAST_ROW: &str = "last_row";
+/// The file's format: 1 kept records by key, 2 rows by write with the expiry index on disk,
+/// 3 rows by write beside the journal, with the marks of the last checkpoint. From 3 on, a
+/// binary refuses a file in a newer format than its own.
+const FORMAT: u64 = 3;
 /// The second layout's expiry index on disk: expiry ++ row number. Dropped at open.
 const EXPIRIES_V2: TableDefinition<&[u8; 16], ()> = TableDefinition::new("expiries_by_write");
 /// The first layout: records by record key. Rewritten in the current one at open.
@@ -219,6 +239,33 @@ enum RedbError {
     },
     #[error("{}: the writer thread has stopped", path.display())]
     WriterGone { path: Arc<Path> },
+    #[error(
+        "cannot open {}: it is in format {found}, written by a newer idemgate; this binary reads \
+         formats up to {supported}. Run the newer binary again",
+        path.display()
+    )]
+    NewerFormat {
+        path: PathBuf,
+        found: u64,
+        supported: u64,
+    },
+    #[error(
+        "cannot open {}: its journal {} does not match it ({why}), so its frames were not \
+         applied. The file was changed since its last checkpoint by a program that does not \
+         keep the journal (an idemgate from before the journal, started after a crash): \
+         applying the frames would write stale records over newer ones. To keep the file as \
+         it is, losing the changes only the journal holds, move the journal away: \
+         mv '{}' '{}.rejected'. A downgrade needs a clean stop first",
+        path.display(),
+        journal.display(),
+        journal.display(),
+        journal.display()
+    )]
+    JournalMismatch {
+        path: PathBuf,
+        journal: PathBuf,
+        why: String,
+    },
 }
 
 fn unavailable(error: RedbError) -> StoreError {
@@ -373,8 +420,9 @@ fn open_file(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
     attach(db, path)
 }
 
-/// Brings an open database up to date: migrates an older layout, applies the changes its
-/// journal holds past the last checkpoint, and reads the row index.
+/// Brings an open database up to date: checks its format, migrates an older layout, applies
+/// the changes its journal holds past the last checkpoint (once the file is shown to be as
+/// that checkpoint left it), records a new checkpoint, and reads the row index.
 fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
     let open_error = |source: redb::Error| {
         unavailable(RedbError::Open {
@@ -383,8 +431,19 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
         })
     };
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
+    let format = txn
+        .open_table(JOURNAL_STATE)
+        .and_then(|state| Ok(state.get(FORMAT_KEY)?.map(|v| v.value())))
+        .map_err(|e| open_error(e.into()))?;
+    if let Some(found) = format.filter(|&found| found > FORMAT) {
+        return Err(unavailable(RedbError::NewerFormat {
+            path: path.to_path_buf(),
+            found,
+            supported: FORMAT,
+        }));
+    }
     let migrated = migrate(&txn).map_err(open_error)?;
-    let (id, applied) = journal_state(&txn).map_err(open_error)?;
+    let state = file_state(&txn).map_err(open_error)?;
     txn.commit().map_err(|e| open_error(e.into()))?;
     // Logged once the migration is committed.
     match migrated {
@@ -398,50 +457,142 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
         }
         None => {}
     }
+    let journal_path = Journal::path_for(path);
     let journal_error = |source| {
         unavailable(RedbError::Journal {
-            path: Journal::path_for(path),
+            path: journal_path.clone(),
             source,
         })
     };
-    let (journal, recovered) = Journal::open(path, id, applied).map_err(journal_error)?;
-    if !recovered.is_empty() {
-        let frames = recovered.len();
-        let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-        {
-            let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
-            for frame in recovered.frames() {
+    let mismatch = |why: String| {
+        unavailable(RedbError::JournalMismatch {
+            path: path.to_path_buf(),
+            journal: journal_path.clone(),
+            why,
+        })
+    };
+    let (journal, recovered) =
+        Journal::open(path, state.id, state.applied).map_err(journal_error)?;
+    let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
+    let next_row = {
+        let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
+        let found =
+            Mark::of(&records, state.mark.map_or(0, |mark| mark.next_row)).map_err(open_error)?;
+        if !recovered.is_empty() {
+            if let Some(mark) = state.mark.filter(|&mark| mark != found) {
+                return Err(mismatch(format!(
+                    "the file holds {} rows up to the row mark {}, where its last checkpoint \
+                     left {} rows up to {}",
+                    found.rows, found.next_row, mark.rows, mark.next_row
+                )));
+            }
+            for (frame, seq) in recovered.frames().zip(state.applied + 1..) {
                 for change in frame {
-                    match change.map_err(journal_error)? {
-                        Change::Put { row, value } => records.insert(row, value).map(drop),
-                        Change::Remove { row } => records.remove(row).map(drop),
+                    let change = change.map_err(journal_error)?;
+                    let (row, matches) = match change {
+                        Change::Put { row, value } => {
+                            (row, records.insert(row, value).map(|old| old.is_none()))
+                        }
+                        Change::Remove { row } => {
+                            (row, records.remove(row).map(|old| old.is_some()))
+                        }
+                    };
+                    if !matches.map_err(|e| open_error(e.into()))? {
+                        return Err(mismatch(format!(
+                            "frame {seq} changes row {row}, which the file holds otherwise"
+                        )));
                     }
-                    .map_err(|e| open_error(e.into()))?;
                 }
             }
         }
-        set_applied(&txn, recovered.last).map_err(open_error)?;
-        txn.commit().map_err(|e| open_error(e.into()))?;
+        // Rows are never numbered twice, even after the last ones were removed.
+        found
+            .next_row
+            .max(next_row_of(&records).map_err(open_error)?)
+    };
+    record_checkpoint(&txn, recovered.last, next_row).map_err(open_error)?;
+    txn.commit().map_err(|e| open_error(e.into()))?;
+    if !recovered.is_empty() {
         tracing::info!(
-            frames,
+            frames = recovered.len(),
             journal = %journal.path().display(),
             "redb journal applied: changes acknowledged after the last checkpoint are back"
         );
     }
-    let rows = RowIndex::load(&db).map_err(open_error)?;
+    let rows = RowIndex::load(&db, next_row).map_err(open_error)?;
     Ok((db, journal, rows))
 }
 
-/// Records in `txn` that the database holds the changes of journal frames up to `seq`.
-fn set_applied(txn: &redb::WriteTransaction, seq: u64) -> Result<(), redb::Error> {
-    txn.open_table(JOURNAL_STATE)?
-        .insert(JOURNAL_APPLIED, seq)?;
+/// What the last checkpoint recorded of the file, to tell at open whether anything else
+/// wrote to it since: the journal's frames apply only to the file as that checkpoint left it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mark {
+    /// The row high-water mark: the number the next row written would have had.
+    next_row: u64,
+    rows: u64,
+    /// A digest of the last row's number and bytes (0 for an empty table).
+    last_row: u64,
+}
+
+impl Mark {
+    /// The file's mark now, with the high-water mark `next_row` (at least past its last row).
+    fn of(
+        records: &impl ReadableTable<u64, &'static [u8]>,
+        next_row: u64,
+    ) -> Result<Self, redb::Error> {
+        let last = records.last()?;
+        let last_row = last.as_ref().map_or(0, |(row, value)| {
+            let digest = Sha256::new()
+                .chain_update(row.value().to_le_bytes())
+                .chain_update(value.value())
+                .finalize();
+            u64::from_le_bytes(digest[..8].try_into().expect("a SHA-256 has 8 bytes"))
+        });
+        let past_last = last.map_or(0, |(row, _)| row.value().saturating_add(1));
+        Ok(Self {
+            next_row: next_row.max(past_last),
+            rows: records.len()?,
+            last_row,
+        })
+    }
+}
+
+/// The number after the table's last row (0 for an empty table).
+fn next_row_of(records: &impl ReadableTable<u64, &'static [u8]>) -> Result<u64, redb::Error> {
+    Ok(records
+        .last()?
+        .map_or(0, |(row, _)| row.value().saturating_add(1)))
+}
+
+/// Records in `txn` a checkpoint: the database holds the changes of journal frames up to
+/// `seq`, and rows are numbered from `next_row` on. The file's mark is taken from `txn`'s
+/// table, so it is the state this commit leaves.
+fn record_checkpoint(
+    txn: &redb::WriteTransaction,
+    seq: u64,
+    next_row: u64,
+) -> Result<(), redb::Error> {
+    let mark = Mark::of(&txn.open_table(RECORDS)?, next_row)?;
+    let mut state = txn.open_table(JOURNAL_STATE)?;
+    state.insert(FORMAT_KEY, FORMAT)?;
+    state.insert(JOURNAL_APPLIED, seq)?;
+    state.insert(MARK_NEXT_ROW, mark.next_row)?;
+    state.insert(MARK_ROWS, mark.rows)?;
+    state.insert(MARK_LAST_ROW, mark.last_row)?;
     Ok(())
 }
 
-/// The journal's id (made, in `txn`, for a file that has none yet) and the last frame whose
-/// changes the database holds.
-fn journal_state(txn: &redb::WriteTransaction) -> Result<(u64, u64), redb::Error> {
+/// The file's journal id, the last journal frame whose changes it holds, and its mark at the
+/// last checkpoint.
+struct FileState {
+    id: u64,
+    applied: u64,
+    /// `None` for a file no checkpoint of this version has committed yet.
+    mark: Option<Mark>,
+}
+
+/// The file's state, with a journal id made (in `txn`) for a file that has none yet.
+fn file_state(txn: &redb::WriteTransaction) -> Result<FileState, redb::Error> {
     let mut state = txn.open_table(JOURNAL_STATE)?;
     let id = state.get(JOURNAL_ID)?.map(|v| v.value());
     let id = match id {
@@ -455,8 +606,17 @@ fn journal_state(txn: &redb::WriteTransaction) -> Result<(u64, u64), redb::Error
             id
         }
     };
-    let applied = state.get(JOURNAL_APPLIED)?.map_or(0, |v| v.value());
-    Ok((id, applied))
+    let read = |key| -> Result<Option<u64>, redb::Error> { Ok(state.get(key)?.map(|v| v.value())) };
+    let applied = read(JOURNAL_APPLIED)?.unwrap_or(0);
+    let mark = match (read(MARK_NEXT_ROW)?, read(MARK_ROWS)?, read(MARK_LAST_ROW)?) {
+        (Some(next_row), Some(rows), Some(last_row)) => Some(Mark {
+            next_row,
+            rows,
+            last_row,
+        }),
+        _ => None,
+    };
+    Ok(FileState { id, applied, mark })
 }
 
 // -------------------------------------------------------------------------------------------
@@ -672,14 +832,16 @@ struct RowIndex {
 }
 
 impl RowIndex {
-    fn load(db: &Database) -> Result<Self, redb::Error> {
+    /// Reads the index of every row; rows written from now on are numbered from `next` on
+    /// (or past the last row, if that is later).
+    fn load(db: &Database, next: u64) -> Result<Self, redb::Error> {
         let txn = db.begin_read()?;
         let table = txn.open_table(RECORDS)?;
         let mut index = Self {
             rows: HashTable::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
             hasher: KeyHasher::new(),
             expiries: BTreeSet::new(),
-            next: 0,
+            next,
         };
         for entry in table.iter()? {
             let (row, value) = entry?;
@@ -1307,7 +1469,7 @@ impl Writer {
         if checkpoint_due || journal.size_with_pending() > journal::CHECKPOINT_AT {
             tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
             // The commit holds every frame written so far, and this batch, which has none.
-            set_applied(&txn, journal.last()).map_err(lost)?;
+            record_checkpoint(&txn, journal.last(), self.rows.next).map_err(lost)?;
             txn.set_durability(Durability::Immediate)
                 .map_err(|e| lost(e.into()))?;
             txn.commit().map_err(|e| lost(e.into()))?;
@@ -2049,6 +2211,135 @@ mod tests {
             "the deleted record came back: {found:?}"
         );
         drop(writer);
+        remove_files(&path);
+    }
+
+    /// A binary from before the journal, started after a crash, does not apply the journal
+    /// and writes rows of its own; the frames it left behind must not be applied over those
+    /// rows at the next upgrade. The file's marks show another writer changed it: the open
+    /// fails, naming the journal, and applies nothing.
+    #[test]
+    fn a_journal_is_not_applied_over_rows_an_older_binary_wrote() {
+        let path = temp_path("downgrade");
+        let key = Hash256::of(b"charge");
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        assert!(writer.txn.is_some(), "journalled, not committed");
+        drop(writer); // a crash
+
+        // The older binary: it knows rows but not the journal, so it does not see the claim,
+        // runs the request again and keeps its response, in the row after its last one.
+        let completed = Header {
+            fingerprint: Hash256::of(b"fp"),
+            expires: now_ms() + 600_000,
+            state: StateHeader::Completed {
+                stored_at: now_ms(),
+            },
+        };
+        {
+            let db = Database::open(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut records = txn.open_table(RECORDS).unwrap();
+                let next = next_row_of(&records).unwrap();
+                let row = encode_row(&key, &completed, &charge().encode());
+                records.insert(next, row.as_slice()).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+
+        let error = open_file(&path).err().expect("the open is refused");
+        let message = crate::ErrorChain(&error).to_string();
+        let journal = Journal::path_for(&path);
+        assert!(
+            message.contains(&format!("journal {} does not match", journal.display())),
+            "{message}"
+        );
+        // Nothing was applied: the older binary's response is still the record.
+        let db = Database::open(&path).unwrap();
+        let txn = db.begin_read().unwrap();
+        let records = txn.open_table(RECORDS).unwrap();
+        assert_eq!(records.len().unwrap(), 1);
+        {
+            let (_, value) = records.last().unwrap().unwrap();
+            let (header, _) = parse_row(value.value()).unwrap();
+            assert!(matches!(header.state, StateHeader::Completed { .. }));
+        }
+        drop((records, txn, db));
+
+        // The operator moves the journal away: the file opens as the older binary left it.
+        std::fs::rename(&journal, journal.with_extension("rejected")).unwrap();
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let found = run_one(&mut writer, |reply| Op::Get { key, reply });
+        assert!(
+            matches!(found, Ok(Some(Record::Completed { .. }))),
+            "{found:?}"
+        );
+        drop(writer);
+        let _ = std::fs::remove_file(journal.with_extension("rejected"));
+        remove_files(&path);
+    }
+
+    /// A frame that does not fit the file (a row it puts is already there) is refused even
+    /// where the marks cannot tell, as in a file no checkpoint of this version wrote.
+    #[test]
+    fn a_frame_that_does_not_fit_the_file_is_refused() {
+        let path = temp_path("frame-misfit");
+        let key = Hash256::of(b"k");
+        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        drop(writer);
+        {
+            let db = Database::open(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut state = txn.open_table(JOURNAL_STATE).unwrap();
+                for mark in [MARK_NEXT_ROW, MARK_ROWS, MARK_LAST_ROW] {
+                    state.remove(mark).unwrap();
+                }
+                let header = Header {
+                    fingerprint: Hash256::of(b"fp"),
+                    expires: now_ms() + 600_000,
+                    state: StateHeader::Ambiguous { since: 1 },
+                };
+                let row = encode_row(&Hash256::of(b"other"), &header, &[]);
+                txn.open_table(RECORDS)
+                    .unwrap()
+                    .insert(0, row.as_slice())
+                    .unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let error = open_file(&path).err().expect("the open is refused");
+        let message = crate::ErrorChain(&error).to_string();
+        assert!(message.contains("frame 1 changes row 0"), "{message}");
+        remove_files(&path);
+    }
+
+    /// A file in a newer format than this binary's is refused with both versions named.
+    #[test]
+    fn a_file_in_a_newer_format_is_refused() {
+        let path = temp_path("newer-format");
+        drop(open_file(&path).unwrap());
+        {
+            let db = Database::open(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(JOURNAL_STATE)
+                .unwrap()
+                .insert(FORMAT_KEY, FORMAT + 1)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let error = open_file(&path).err().expect("the open is refused");
+        let message = error.to_string() + &crate::ErrorChain(&error).to_string();
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert!(
+            message.contains(&format!("format {}", FORMAT + 1))
+                && message.contains(&format!("up to {FORMAT}")),
+            "{message}"
+        );
         remove_files(&path);
     }
 

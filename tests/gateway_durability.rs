@@ -581,3 +581,94 @@ async fn a_redb_file_that_cannot_grow_fails_closed_and_recovers_without_a_restar
     assert!(kept.replayed(), "{:?}", kept.headers);
     assert_eq!(kept.body, before.body, "replayed byte for byte");
 }
+
+// ---- clock steps: leases are judged on the monotonic clock --------------------------------
+
+/// libfaketime, from Debian's `faketime` package (`.ci/install-deps` installs it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// A gateway whose wall clock the test can step: libfaketime reads the offset from `offset`
+/// (`+0` to start) at every call, and leaves the monotonic clock alone.
+fn gateway_with_steppable_clock(
+    dir: &TempDir,
+    upstream: &TestUpstream,
+    store: &str,
+    config: &str,
+) -> (Gateway, std::path::PathBuf) {
+    assert!(
+        std::path::Path::new(LIBFAKETIME).exists(),
+        "{LIBFAKETIME} is missing: install Debian's faketime package (.ci/install-deps)"
+    );
+    let offset = dir.write("clock-offset", "+0\n");
+    let file = dir.write("clock.toml", config);
+    let url = upstream.url();
+    let env = [
+        ("LD_PRELOAD", LIBFAKETIME),
+        ("FAKETIME_TIMESTAMP_FILE", offset.to_str().unwrap()),
+        ("FAKETIME_NO_CACHE", "1"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ];
+    let args = [
+        "--upstream",
+        &url,
+        "--store",
+        store,
+        "--config",
+        file.to_str().unwrap(),
+    ];
+    (Gateway::start_with(&args, &env), offset)
+}
+
+/// A +120 s step of the wall clock (NTP, a virtual machine resumed) while a request runs must
+/// not lapse its lease: on a `webhook` route (an unknown outcome lets the next delivery run),
+/// the retry would otherwise run the request a second time while the first still runs.
+async fn a_wall_clock_step_does_not_lapse_a_running_lease(store: &str) {
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let config = r#"
+[[routes]]
+prefix = "/hooks"
+name = "hooks"
+preset = "webhook"
+lease = "10s"
+"#;
+    let (gw, offset) = gateway_with_steppable_clock(&dir, &upstream, store, config);
+    let url = gw.url("/hooks/delivery");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { send("POST", &url, &[key("evt-1"), ("x-delay-ms", "3000")], "{}").await }
+    });
+    upstream.wait_for_hit("/hooks/delivery").await;
+
+    std::fs::write(&offset, "+120\n").unwrap();
+    let retry = send("POST", &url, &[key("evt-1"), ("x-delay-ms", "3000")], "{}").await;
+    assert_eq!(
+        retry.status,
+        409,
+        "{store}: the retry during the step: {}",
+        retry.text()
+    );
+    assert_eq!(retry.problem_type(), IN_FLIGHT);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(
+        upstream.hits("/hooks/delivery"),
+        1,
+        "{store}: the delivery ran twice"
+    );
+    let replay = send("POST", &url, &[key("evt-1")], "{}").await;
+    assert!(replay.replayed(), "{store}: {}", replay.text());
+}
+
+#[cfg(feature = "redb")]
+#[tokio::test(flavor = "multi_thread")]
+async fn redb_leases_ignore_a_wall_clock_step() {
+    let dir = TempDir::new();
+    let store = format!("redb:{}", dir.path().join("records.redb").display());
+    a_wall_clock_step_does_not_lapse_a_running_lease(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_leases_ignore_a_wall_clock_step() {
+    a_wall_clock_step_does_not_lapse_a_running_lease("memory").await;
+}

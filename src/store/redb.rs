@@ -23,8 +23,12 @@
 //! failure once the transaction holds changes refuses changes until the file is reopened,
 //! which applies the journal.
 //!
-//! Deadlines are wall-clock milliseconds since the Unix epoch, because the file outlives the
-//! process that wrote it.
+//! Deadlines are stored as wall-clock milliseconds since the Unix epoch, because the file
+//! outlives the process that wrote it, but judged on the writer's [`Clock`]: the wall clock
+//! read once at open, advanced by the monotonic clock. A step of the wall clock while the
+//! store is open moves no lease and no expiry; a record found in flight at open lapses a whole
+//! lease after the open (its lease's length is kept in the record); expiries carry over
+//! across restarts on the wall clock.
 //!
 //! # File layout
 //!
@@ -300,7 +304,8 @@ impl RedbStore {
                 })
             })?;
         }
-        let (db, journal, rows) = open_file(path)?;
+        let clock = Clock::start();
+        let (db, journal, rows) = open_file(path, Some(clock.now()))?;
 
         let path: Arc<Path> = Arc::from(path);
         let (ops, queue) = mpsc::channel(QUEUE);
@@ -315,6 +320,7 @@ impl RedbStore {
             db: Some(db),
             journal: Some(journal),
             checkpointed_at: Instant::now(),
+            clock,
             path: Arc::clone(&path),
             poisoned: None,
             reopen_wait: REOPEN_FIRST,
@@ -403,8 +409,12 @@ impl RedbStore {
 
 /// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the table,
 /// so reads never find it missing; brings a file in an older layout over; and reads where each
-/// record's row is and when it expires.
-fn open_file(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
+/// record's row is and when it expires. With `leases_from`, a process starting up: every
+/// record in flight is given a whole lease from then (see [`Clock`]).
+fn open_file(
+    path: &Path,
+    leases_from: Option<u64>,
+) -> Result<(Database, Journal, RowIndex), StoreError> {
     let db = Database::builder()
         .set_cache_size(CACHE_BYTES)
         .create(path)
@@ -417,13 +427,17 @@ fn open_file(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
                 source: other.into(),
             }),
         })?;
-    attach(db, path)
+    attach(db, path, leases_from)
 }
 
 /// Brings an open database up to date: checks its format, migrates an older layout, applies
 /// the changes its journal holds past the last checkpoint (once the file is shown to be as
 /// that checkpoint left it), records a new checkpoint, and reads the row index.
-fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
+fn attach(
+    db: Database,
+    path: &Path,
+    leases_from: Option<u64>,
+) -> Result<(Database, Journal, RowIndex), StoreError> {
     let open_error = |source: redb::Error| {
         unavailable(RedbError::Open {
             path: path.to_path_buf(),
@@ -505,6 +519,15 @@ fn attach(db: Database, path: &Path) -> Result<(Database, Journal, RowIndex), St
                 }
             }
         }
+        if let Some(now) = leases_from {
+            let renewed = lease_from(&mut records, now).map_err(open_error)?;
+            if renewed > 0 {
+                tracing::info!(
+                    renewed,
+                    "redb records found in flight at open lapse a whole lease from now"
+                );
+            }
+        }
         // Rows are never numbered twice, even after the last ones were removed.
         found
             .next_row
@@ -555,6 +578,42 @@ impl Mark {
             last_row,
         })
     }
+}
+
+/// Gives every record in flight whose lease length is known a whole lease from `now`, the
+/// open of a process whose clock may not agree with the one that wrote the deadline (a wall
+/// clock stepped between the two, or the owner's request still running upstream after its
+/// gateway died). Returns how many. Rows written before the lease length was kept keep
+/// their deadlines.
+fn lease_from(
+    records: &mut redb::Table<'_, u64, &'static [u8]>,
+    now: u64,
+) -> Result<usize, redb::Error> {
+    let mut renewed = Vec::new();
+    for entry in records.iter()? {
+        let (row, value) = entry?;
+        let Ok((key, record)) = split_row(value.value()) else {
+            continue;
+        };
+        let Ok((mut header, _)) = Header::parse(record) else {
+            continue;
+        };
+        if let StateHeader::InFlight {
+            lease_deadline,
+            lease,
+            ..
+        } = &mut header.state
+            && *lease > 0
+        {
+            *lease_deadline = now.saturating_add(*lease);
+            header.expires = header.expires.max(*lease_deadline);
+            renewed.push((row.value(), encode_row(&key, &header, &[])));
+        }
+    }
+    for (row, value) in &renewed {
+        records.insert(row, value.as_slice())?;
+    }
+    Ok(renewed.len())
 }
 
 /// The number after the table's last row (0 for an empty table).
@@ -628,6 +687,9 @@ const TAG_COMPLETED: u8 = 2;
 const TAG_AMBIGUOUS: u8 = 3;
 /// Version, tag, fingerprint, expiry.
 const HEADER_LEN: usize = 1 + 1 + 32 + 8;
+/// An in-flight record as first written: the header, the owner token and the lease deadline.
+/// Since then the lease's length follows (older binaries read the record without it).
+const IN_FLIGHT_LEN_V1: usize = HEADER_LEN + 16 + 8;
 
 /// A stored record without its completion bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -642,6 +704,9 @@ enum StateHeader {
     InFlight {
         token: OwnerToken,
         lease_deadline: u64,
+        /// The lease's length in milliseconds, so a record found in flight at open can be
+        /// given a whole lease from then on; 0 in rows written before it was kept.
+        lease: u64,
     },
     Completed {
         stored_at: u64,
@@ -679,10 +744,15 @@ impl Header {
                     .map(u128::from_be_bytes)
                     .ok_or(DecodeError("truncated record"))?;
                 let lease_deadline = read_u64(value, HEADER_LEN + 16)?;
+                let lease = match value.len() {
+                    IN_FLIGHT_LEN_V1 => 0,
+                    _ => read_u64(value, IN_FLIGHT_LEN_V1)?,
+                };
                 (
                     StateHeader::InFlight {
                         token: OwnerToken(token),
                         lease_deadline,
+                        lease,
                     },
                     &[][..],
                 )
@@ -727,9 +797,11 @@ impl Header {
             StateHeader::InFlight {
                 token,
                 lease_deadline,
+                lease,
             } => {
                 out.extend_from_slice(&token.0.to_be_bytes());
                 out.extend_from_slice(&lease_deadline.to_be_bytes());
+                out.extend_from_slice(&lease.to_be_bytes());
             }
             StateHeader::Completed { stored_at } => {
                 out.extend_from_slice(&stored_at.to_be_bytes());
@@ -948,8 +1020,36 @@ fn now_ms() -> u64 {
     unix_millis(SystemTime::now())
 }
 
+/// The clock the writer judges every deadline on: wall-clock milliseconds read once, when the
+/// store opened, advanced from then on by the monotonic clock. A step of the wall clock
+/// while the store is open (NTP, a virtual machine resumed) moves no lease or expiry; a
+/// record's deadlines outlive the process in the file as wall-clock times, and in-flight
+/// records found at open are given a whole lease from then on (see `attach`).
+#[derive(Clone, Copy)]
+struct Clock {
+    wall_at_open: u64,
+    opened: Instant,
+}
+
+impl Clock {
+    fn start() -> Self {
+        Self {
+            wall_at_open: now_ms(),
+            opened: Instant::now(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        after(self.wall_at_open, self.opened.elapsed())
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
 fn after(now: u64, d: Duration) -> u64 {
-    now.saturating_add(d.as_millis().min(u64::MAX as u128) as u64)
+    now.saturating_add(millis(d))
 }
 
 /// What a claim does about the record it found.
@@ -1180,6 +1280,8 @@ struct Writer {
     journal: Option<Journal>,
     /// When the database was last committed durably.
     checkpointed_at: Instant,
+    /// What every deadline is judged on.
+    clock: Clock,
     path: Arc<Path>,
     /// Set once a write failed: redb then refuses all work on its handle until the file is
     /// reopened.
@@ -1265,9 +1367,8 @@ impl Writer {
             return;
         }
         let close = Checkpoint::Now;
-        if let Err((e, _)) =
-            self.transact(&mut std::iter::empty(), &mut Vec::new(), now_ms(), close)
-        {
+        let now = self.clock.now();
+        if let Err((e, _)) = self.transact(&mut std::iter::empty(), &mut Vec::new(), now, close) {
             // Nothing is lost: the journal is applied at the next open.
             tracing::warn!(
                 path = %self.path.display(),
@@ -1301,7 +1402,7 @@ impl Writer {
             batch.splice(0..0, releases);
         }
         self.batch_claims.clear();
-        let now = now_ms();
+        let now = self.clock.now();
         let mut dones: Vec<Done> = Vec::with_capacity(batch.len());
         let mut ops = batch.drain(..);
         let result = self.transact(&mut ops, &mut dones, now, Checkpoint::WhenDue);
@@ -1377,7 +1478,8 @@ impl Writer {
         self.txn = None;
         self.db = None;
         self.journal = None;
-        match open_file(&self.path) {
+        // The records in flight are this process's own, with deadlines on its clock.
+        match open_file(&self.path, None) {
             Ok((db, journal, rows)) => {
                 self.db = Some(db);
                 self.journal = Some(journal);
@@ -1539,6 +1641,7 @@ impl Tables<'_> {
                     header.state = StateHeader::InFlight {
                         token,
                         lease_deadline,
+                        lease: millis(lease),
                     };
                     header.expires = header.expires.max(lease_deadline);
                     None
@@ -1686,6 +1789,7 @@ impl Tables<'_> {
                         state: StateHeader::InFlight {
                             token,
                             lease_deadline: after(now, options.lease),
+                            lease: millis(options.lease),
                         },
                     };
                     self.put(key, &header, &[], replaces.and_then(previous))?;
@@ -1913,6 +2017,7 @@ mod tests {
                 state: StateHeader::InFlight {
                     token: OwnerToken(u128::MAX - 5),
                     lease_deadline: 99,
+                    lease: 30_000,
                 },
             },
             Header {
@@ -1947,7 +2052,27 @@ mod tests {
         for header in headers() {
             let encoded = header.encode(b"");
             for cut in 0..encoded.len() {
-                assert!(Header::parse(&encoded[..cut]).is_err(), "cut at {cut}");
+                let parsed = Header::parse(&encoded[..cut]);
+                if let StateHeader::InFlight {
+                    token,
+                    lease_deadline,
+                    ..
+                } = header.state
+                    && cut == IN_FLIGHT_LEN_V1
+                {
+                    // An in-flight record as first written, before the lease length was kept.
+                    let legacy = StateHeader::InFlight {
+                        token,
+                        lease_deadline,
+                        lease: 0,
+                    };
+                    assert!(
+                        matches!(parsed, Ok((h, _)) if h.state == legacy),
+                        "{parsed:?}"
+                    );
+                    continue;
+                }
+                assert!(parsed.is_err(), "cut at {cut}");
             }
             let mut newer = encoded.clone();
             newer[0] = VERSION + 1;
@@ -1956,6 +2081,11 @@ mod tests {
             unknown[1] = 9;
             assert!(Header::parse(&unknown).is_err());
         }
+    }
+
+    /// Opens a file as a store starting up does.
+    fn open_fresh(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
+        open_file(path, Some(now_ms()))
     }
 
     /// Removes a test's database file and its journal.
@@ -2015,6 +2145,7 @@ mod tests {
             db: Some(db),
             journal: Some(journal),
             checkpointed_at: Instant::now(),
+            clock: Clock::start(),
             path: Arc::from(path),
             poisoned: None,
             reopen_wait: Duration::ZERO,
@@ -2053,7 +2184,7 @@ mod tests {
     #[test]
     fn a_claim_whose_commit_failed_is_released_after_the_reopen() {
         let path = temp_path("unsettled");
-        drop(open_file(&path).unwrap());
+        drop(open_fresh(&path).unwrap());
         let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -2066,7 +2197,7 @@ mod tests {
                 fail: Arc::clone(&fail),
             })
             .unwrap();
-        let mut writer = test_writer(&path, attach(db, &path).unwrap());
+        let mut writer = test_writer(&path, attach(db, &path, Some(now_ms())).unwrap());
         // A checkpoint is due: the batch is committed, and so synced, by redb itself.
         writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
         let key = Hash256::of(b"k");
@@ -2100,7 +2231,7 @@ mod tests {
     fn a_journal_write_that_fails_poisons_the_file_until_it_is_reopened() {
         let path = temp_path("journal-fails");
         // No checkpoint due: the batch goes to the journal.
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let claim = claim_op;
         let key = Hash256::of(b"k");
 
@@ -2136,7 +2267,7 @@ mod tests {
     #[test]
     fn a_batch_whose_frame_failed_is_not_applied_and_those_before_it_are() {
         let path = temp_path("frame-failed");
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let key = Hash256::of(b"k");
         let token = OwnerToken::generate();
         let claimed = run_one(&mut writer, claim_op(key, token));
@@ -2177,7 +2308,7 @@ mod tests {
         let path = temp_path("delete-undecodable");
         let key = Hash256::of(b"broken");
         {
-            let (db, _, _) = open_file(&path).unwrap();
+            let (db, _, _) = open_fresh(&path).unwrap();
             let header = Header {
                 fingerprint: Hash256::of(b"fp"),
                 expires: now_ms() + 600_000,
@@ -2192,7 +2323,7 @@ mod tests {
                 .unwrap();
             txn.commit().unwrap();
         }
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let found = run_one(&mut writer, |reply| Op::Get { key, reply });
         assert!(
             matches!(found, Err(StoreError::Corrupt { .. })),
@@ -2204,7 +2335,7 @@ mod tests {
         // A crash: the writer goes without its closing checkpoint.
         drop(writer);
 
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let found = run_one(&mut writer, |reply| Op::Get { key, reply });
         assert!(
             matches!(found, Ok(None)),
@@ -2222,7 +2353,7 @@ mod tests {
     fn a_journal_is_not_applied_over_rows_an_older_binary_wrote() {
         let path = temp_path("downgrade");
         let key = Hash256::of(b"charge");
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         assert!(writer.txn.is_some(), "journalled, not committed");
@@ -2249,7 +2380,7 @@ mod tests {
             txn.commit().unwrap();
         }
 
-        let error = open_file(&path).err().expect("the open is refused");
+        let error = open_fresh(&path).err().expect("the open is refused");
         let message = crate::ErrorChain(&error).to_string();
         let journal = Journal::path_for(&path);
         assert!(
@@ -2270,7 +2401,7 @@ mod tests {
 
         // The operator moves the journal away: the file opens as the older binary left it.
         std::fs::rename(&journal, journal.with_extension("rejected")).unwrap();
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let found = run_one(&mut writer, |reply| Op::Get { key, reply });
         assert!(
             matches!(found, Ok(Some(Record::Completed { .. }))),
@@ -2287,7 +2418,7 @@ mod tests {
     fn a_frame_that_does_not_fit_the_file_is_refused() {
         let path = temp_path("frame-misfit");
         let key = Hash256::of(b"k");
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         drop(writer);
@@ -2312,7 +2443,7 @@ mod tests {
             }
             txn.commit().unwrap();
         }
-        let error = open_file(&path).err().expect("the open is refused");
+        let error = open_fresh(&path).err().expect("the open is refused");
         let message = crate::ErrorChain(&error).to_string();
         assert!(message.contains("frame 1 changes row 0"), "{message}");
         remove_files(&path);
@@ -2322,7 +2453,7 @@ mod tests {
     #[test]
     fn a_file_in_a_newer_format_is_refused() {
         let path = temp_path("newer-format");
-        drop(open_file(&path).unwrap());
+        drop(open_fresh(&path).unwrap());
         {
             let db = Database::open(&path).unwrap();
             let txn = db.begin_write().unwrap();
@@ -2332,7 +2463,7 @@ mod tests {
                 .unwrap();
             txn.commit().unwrap();
         }
-        let error = open_file(&path).err().expect("the open is refused");
+        let error = open_fresh(&path).err().expect("the open is refused");
         let message = error.to_string() + &crate::ErrorChain(&error).to_string();
         assert!(message.contains(&path.display().to_string()), "{message}");
         assert!(
@@ -2343,12 +2474,61 @@ mod tests {
         remove_files(&path);
     }
 
+    /// A record found in flight at open lapses a whole lease after the open, whatever
+    /// deadline the file holds: the clock that wrote it may not agree with this one (a wall
+    /// clock stepped between the two), and its request may still be running upstream.
+    #[test]
+    fn a_record_in_flight_at_open_lapses_a_whole_lease_later() {
+        let path = temp_path("lease-at-open");
+        let key = Hash256::of(b"running");
+        {
+            let (db, _, _) = open_fresh(&path).unwrap();
+            let header = Header {
+                fingerprint: Hash256::of(b"fp"),
+                expires: now_ms() + 600_000,
+                state: StateHeader::InFlight {
+                    token: OwnerToken(7),
+                    // Lapsed by this clock: written by a clock two minutes behind it.
+                    lease_deadline: now_ms() - 110_000,
+                    lease: 60_000,
+                },
+            };
+            let txn = db.begin_write().unwrap();
+            let row = encode_row(&key, &header, &[]);
+            txn.open_table(RECORDS)
+                .unwrap()
+                .insert(0, row.as_slice())
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
+        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+        match claimed {
+            Ok(Claim::InFlight { lease_remaining }) => assert!(
+                lease_remaining > Duration::from_secs(55),
+                "{lease_remaining:?}"
+            ),
+            other => panic!("the record lapsed at open: {other:?}"),
+        }
+        // Its owner still owns it.
+        let lease = Duration::from_secs(60);
+        let renewed = run_one(&mut writer, |reply| Op::Renew {
+            key,
+            token: OwnerToken(7),
+            lease,
+            reply,
+        });
+        assert!(matches!(renewed, Ok(Transition::Applied)), "{renewed:?}");
+        drop(writer);
+        remove_files(&path);
+    }
+
     /// Frames left in the journal by a writer that then goes idle are checkpointed by the
     /// next batch once a checkpoint is due, even one that changes nothing (a sweep tick).
     #[test]
     fn an_idle_writer_checkpoints_its_journal() {
         let path = temp_path("idle-checkpoint");
-        let mut writer = test_writer(&path, open_file(&path).unwrap());
+        let mut writer = test_writer(&path, open_fresh(&path).unwrap());
         let claimed = run_one(
             &mut writer,
             claim_op(Hash256::of(b"k"), OwnerToken::generate()),
@@ -2571,6 +2751,7 @@ mod tests {
                         StateHeader::InFlight {
                             token: OwnerToken(7),
                             lease_deadline: now + 60_000,
+                            lease: 0,
                         },
                     ),
                     (expired, now - 1, StateHeader::Ambiguous { since: now - 10 }),

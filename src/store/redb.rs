@@ -83,6 +83,7 @@ use redb::{
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 
+use self::disk::{Disk, RealDisk, parent_dir};
 use self::journal::{Change, Journal};
 use super::handout::{Answer, Handout};
 use super::key_hash::KeyHasher;
@@ -92,7 +93,10 @@ use crate::record::{
     from_unix_millis, unix_millis,
 };
 
+mod disk;
 mod journal;
+#[cfg(test)]
+mod sim_disk;
 
 const BACKEND: &str = "redb";
 
@@ -223,6 +227,12 @@ enum RedbError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot sync the directory {}", path.display())]
+    SyncDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot start the writer thread for {}", path.display())]
     Thread {
         path: PathBuf,
@@ -295,17 +305,13 @@ impl RedbStore {
     /// call it at start-up, or under `spawn_blocking`. Fails if the file is already open, in
     /// another process or in this one.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let path = path.as_ref();
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(|source| {
-                unavailable(RedbError::CreateDir {
-                    path: parent.to_path_buf(),
-                    source,
-                })
-            })?;
-        }
+        Self::open_on(Arc::new(RealDisk), path.as_ref())
+    }
+
+    /// [`RedbStore::open`] on the file system `disk`.
+    fn open_on(disk: Arc<dyn Disk>, path: &Path) -> Result<Self, StoreError> {
         let clock = Clock::start();
-        let (db, journal, rows) = open_file(path, Some(clock.now()))?;
+        let (db, journal, rows) = open_file(&*disk, path, Some(clock.now()))?;
 
         let path: Arc<Path> = Arc::from(path);
         let (ops, queue) = mpsc::channel(QUEUE);
@@ -321,6 +327,7 @@ impl RedbStore {
             journal: Some(journal),
             checkpointed_at: Instant::now(),
             clock,
+            disk,
             path: Arc::clone(&path),
             poisoned: None,
             reopen_wait: REOPEN_FIRST,
@@ -407,17 +414,36 @@ impl RedbStore {
     }
 }
 
-/// Opens (or creates) the file, repairing it if it was not closed cleanly; creates the table,
-/// so reads never find it missing; brings a file in an older layout over; and reads where each
+/// Opens (or creates) the file and its journal, and their folder, each new entry made durable
+/// in its directory; repairs the file if it was not closed cleanly; creates the table, so
+/// reads never find it missing; brings a file in an older layout over; and reads where each
 /// record's row is and when it expires. With `leases_from`, a process starting up: every
 /// record in flight is given a whole lease from then (see [`Clock`]).
 fn open_file(
+    disk: &dyn Disk,
     path: &Path,
     leases_from: Option<u64>,
 ) -> Result<(Database, Journal, RowIndex), StoreError> {
-    let db = Database::builder()
-        .set_cache_size(CACHE_BYTES)
-        .create(path)
+    let dir = parent_dir(path);
+    let sync_dir = |dir: &Path| {
+        disk.sync_dir(dir).map_err(|source| {
+            unavailable(RedbError::SyncDir {
+                path: dir.to_path_buf(),
+                source,
+            })
+        })
+    };
+    let made = disk.create_dir_all(dir).map_err(|source| {
+        unavailable(RedbError::CreateDir {
+            path: dir.to_path_buf(),
+            source,
+        })
+    })?;
+    for made in &made {
+        sync_dir(parent_dir(made))?;
+    }
+    let db = disk
+        .create_database(Database::builder().set_cache_size(CACHE_BYTES), path)
         .map_err(|e| match e {
             DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
                 path: path.to_path_buf(),
@@ -427,13 +453,17 @@ fn open_file(
                 source: other.into(),
             }),
         })?;
-    attach(db, path, leases_from)
+    let opened = attach(disk, db, path, leases_from)?;
+    // The file and the journal exist for good before anything is acknowledged.
+    sync_dir(dir)?;
+    Ok(opened)
 }
 
 /// Brings an open database up to date: checks its format, migrates an older layout, applies
 /// the changes its journal holds past the last checkpoint (once the file is shown to be as
 /// that checkpoint left it), records a new checkpoint, and reads the row index.
 fn attach(
+    disk: &dyn Disk,
     db: Database,
     path: &Path,
     leases_from: Option<u64>,
@@ -486,7 +516,7 @@ fn attach(
         })
     };
     let (journal, recovered) =
-        Journal::open(path, state.id, state.applied).map_err(journal_error)?;
+        Journal::open(disk, path, state.id, state.applied).map_err(journal_error)?;
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
     let next_row = {
         let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
@@ -1282,6 +1312,8 @@ struct Writer {
     checkpointed_at: Instant,
     /// What every deadline is judged on.
     clock: Clock,
+    /// The file system the file and its journal are on.
+    disk: Arc<dyn Disk>,
     path: Arc<Path>,
     /// Set once a write failed: redb then refuses all work on its handle until the file is
     /// reopened.
@@ -1478,8 +1510,25 @@ impl Writer {
         self.txn = None;
         self.db = None;
         self.journal = None;
+        // A failed sync leaves pages in the cache that the disk may never have got, marked
+        // clean: read through them, the reopened file would take the failed checkpoint for
+        // done, skip the journal frames it holds, and later commits would build on pages
+        // that are not on the disk. Dropped, every read comes from the disk, and the journal
+        // (kept whole until a checkpoint's sync succeeds) brings back what the file lacks.
+        let journal_path = Journal::path_for(&self.path);
+        let forgotten = [&*self.path, &journal_path]
+            .into_iter()
+            .try_for_each(|path| self.disk.forget_cached(path));
         // The records in flight are this process's own, with deadlines on its clock.
-        match open_file(&self.path, None) {
+        let reopened = forgotten
+            .map_err(|source| {
+                unavailable(RedbError::Journal {
+                    path: journal_path.clone(),
+                    source,
+                })
+            })
+            .and_then(|()| open_file(&*self.disk, &self.path, None));
+        match reopened {
             Ok((db, journal, rows)) => {
                 self.db = Some(db);
                 self.journal = Some(journal);
@@ -2085,7 +2134,7 @@ mod tests {
 
     /// Opens a file as a store starting up does.
     fn open_fresh(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
-        open_file(path, Some(now_ms()))
+        open_file(&RealDisk, path, Some(now_ms()))
     }
 
     /// Removes a test's database file and its journal.
@@ -2146,6 +2195,7 @@ mod tests {
             journal: Some(journal),
             checkpointed_at: Instant::now(),
             clock: Clock::start(),
+            disk: Arc::new(RealDisk),
             path: Arc::from(path),
             poisoned: None,
             reopen_wait: Duration::ZERO,
@@ -2197,7 +2247,7 @@ mod tests {
                 fail: Arc::clone(&fail),
             })
             .unwrap();
-        let mut writer = test_writer(&path, attach(db, &path, Some(now_ms())).unwrap());
+        let mut writer = test_writer(&path, attach(&RealDisk, db, &path, Some(now_ms())).unwrap());
         // A checkpoint is due: the batch is committed, and so synced, by redb itself.
         writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
         let key = Hash256::of(b"k");
@@ -2521,6 +2571,129 @@ mod tests {
         assert!(matches!(renewed, Ok(Transition::Applied)), "{renewed:?}");
         drop(writer);
         remove_files(&path);
+    }
+
+    /// A writer over the store's file at `path` on the simulated disk, opened as at start-up.
+    fn writer_on(disk: &sim_disk::SimDisk, path: &Path) -> Writer {
+        let opened = open_file(disk, path, Some(now_ms())).expect("the file opens");
+        let mut writer = test_writer(path, opened);
+        writer.disk = Arc::new(disk.clone());
+        writer
+    }
+
+    /// Asserts that each of `keys` is held in flight.
+    fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
+        for &key in keys {
+            let found = run_one(writer, |reply| Op::Get { key, reply });
+            assert!(
+                matches!(found, Ok(Some(Record::InFlight { .. }))),
+                "{key:?}: {found:?}"
+            );
+        }
+    }
+
+    /// A checkpoint whose sync fails leaves pages in the cache that the disk never got,
+    /// marked clean. The store reopens the file with the cache dropped and applies the journal,
+    /// which kept every frame since the last good checkpoint; what it acknowledged before and
+    /// after the failure survives a power cut, and the file opens.
+    #[test]
+    fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
+        let disk = sim_disk::SimDisk::default();
+        let path = PathBuf::from("/sim/data/records.redb");
+        let mut writer = writer_on(&disk, &path);
+        let mut acknowledged = Vec::new();
+        for name in ["a", "b", "c"] {
+            let key = Hash256::of(name.as_bytes());
+            let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+            assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+            acknowledged.push(key);
+        }
+
+        // The next batch is a checkpoint, and the database's sync fails.
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        disk.fail_next_sync(&path);
+        // The claims' batches set the wait before a reopen back to a second.
+        writer.reopen_wait = Duration::ZERO;
+        let failed = run_one(
+            &mut writer,
+            claim_op(Hash256::of(b"x"), OwnerToken::generate()),
+        );
+        assert!(
+            matches!(failed, Err(StoreError::Unavailable { .. })),
+            "{failed:?}"
+        );
+        assert!(writer.poisoned.is_some());
+
+        // The writer reopens the file and takes changes again: more acknowledged claims, on
+        // both sides of the checkpoint its reopen makes.
+        for name in ["d", "e"] {
+            let key = Hash256::of(name.as_bytes());
+            let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+            assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+            assert!(writer.poisoned.is_none(), "reopened");
+            acknowledged.push(key);
+        }
+        assert_in_flight(&mut writer, &acknowledged);
+
+        disk.power_cut();
+        drop(writer);
+        let mut writer = writer_on(&disk, &path);
+        assert_in_flight(&mut writer, &acknowledged);
+    }
+
+    /// A journal frame whose sync fails is not acknowledged, and no later frame is written over
+    /// the frames before it: after the reopen and a power cut, every acknowledged change is
+    /// there.
+    #[test]
+    fn a_failed_journal_sync_loses_nothing_at_a_power_cut() {
+        let disk = sim_disk::SimDisk::default();
+        let path = PathBuf::from("/sim/journal-fails/records.redb");
+        let journal = Journal::path_for(&path);
+        let mut writer = writer_on(&disk, &path);
+        let mut acknowledged = Vec::new();
+        for name in ["a", "b"] {
+            let key = Hash256::of(name.as_bytes());
+            let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+            assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+            acknowledged.push(key);
+        }
+        disk.fail_next_sync(&journal);
+        writer.reopen_wait = Duration::ZERO;
+        let failed = run_one(
+            &mut writer,
+            claim_op(Hash256::of(b"x"), OwnerToken::generate()),
+        );
+        assert!(
+            matches!(failed, Err(StoreError::Unavailable { .. })),
+            "{failed:?}"
+        );
+        for name in ["c", "d"] {
+            let key = Hash256::of(name.as_bytes());
+            let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+            assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+            acknowledged.push(key);
+        }
+        disk.power_cut();
+        drop(writer);
+        let mut writer = writer_on(&disk, &path);
+        assert_in_flight(&mut writer, &acknowledged);
+    }
+
+    /// The database file, its journal and the folder made for them are entries in their
+    /// directories: a change acknowledged right after the store was created survives a power
+    /// cut only if those directories were synced.
+    #[test]
+    fn a_new_store_survives_a_power_cut() {
+        let disk = sim_disk::SimDisk::default();
+        let path = PathBuf::from("/sim/new/folder/records.redb");
+        let mut writer = writer_on(&disk, &path);
+        let key = Hash256::of(b"first");
+        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        disk.power_cut();
+        drop(writer);
+        let mut writer = writer_on(&disk, &path);
+        assert_in_flight(&mut writer, &[key]);
     }
 
     /// Frames left in the journal by a writer that then goes idle are checkpointed by the

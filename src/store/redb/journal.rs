@@ -40,13 +40,13 @@
 //! once it has reached its working size a sync has only the frames' pages to write, not the
 //! file's size.
 
-use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
+
+use super::disk::{Disk, JournalFile};
 
 const MAGIC: &[u8; 4] = b"IGJ1";
 const HEAD_LEN: usize = 4 + 8 + 8 + 4;
@@ -59,7 +59,7 @@ pub(super) const CHECKPOINT_AT: u64 = 16 * 1024 * 1024;
 
 /// The journal of one open database.
 pub(super) struct Journal {
-    file: File,
+    file: Box<dyn JournalFile>,
     path: PathBuf,
     id: u64,
     /// The sequence number of the last frame written.
@@ -155,16 +155,15 @@ impl Journal {
     /// the changes of frames up to `applied`; returns it with the frames written since. The
     /// journal's next frame goes at its start: the caller checkpoints the recovered frames
     /// before writing any.
-    pub(super) fn open(db: &Path, id: u64, applied: u64) -> io::Result<(Self, Recovered)> {
+    pub(super) fn open(
+        disk: &dyn Disk,
+        db: &Path,
+        id: u64,
+        applied: u64,
+    ) -> io::Result<(Self, Recovered)> {
         let path = Self::path_for(db);
-        let mut file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)?;
-        let mut data = Vec::new();
-        file.read_to_end(&mut data)?;
+        let mut file = disk.open_journal(&path)?;
+        let data = file.read_all()?;
         let mut payloads = Vec::new();
         let mut at = 0;
         let mut last = applied;
@@ -293,7 +292,7 @@ impl Journal {
     /// Swaps the file for a read-only handle of it, so the next frame fails to be written.
     #[cfg(test)]
     pub(super) fn fail_writes(&mut self) -> io::Result<()> {
-        self.file = File::open(&self.path)?;
+        self.file = Box::new(std::fs::File::open(&self.path)?);
         Ok(())
     }
 
@@ -352,6 +351,7 @@ fn read_frame(data: &[u8], at: usize, id: u64) -> Option<(u64, Range<usize>, usi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::redb::disk::RealDisk;
 
     /// A fresh database path in the tests' directory; its journal is removed at drop.
     struct Db(std::path::PathBuf);
@@ -386,7 +386,7 @@ mod tests {
     fn frames_written_since_the_checkpoint_are_recovered_in_order() {
         let db = Db::new("journal-order");
         let db = &db.0;
-        let (mut journal, recovered) = Journal::open(db, 7, 0).unwrap();
+        let (mut journal, recovered) = Journal::open(&RealDisk, db, 7, 0).unwrap();
         assert!(recovered.is_empty());
         let mut expected = db.clone().into_os_string();
         expected.push("-journal");
@@ -399,7 +399,7 @@ mod tests {
         assert_eq!(journal.last(), 2);
         drop(journal);
 
-        let (journal, recovered) = Journal::open(db, 7, 0).unwrap();
+        let (journal, recovered) = Journal::open(&RealDisk, db, 7, 0).unwrap();
         assert_eq!(recovered.last, 2);
         assert_eq!(
             changes(&recovered),
@@ -414,16 +414,16 @@ mod tests {
         // journal's beginning: a first frame that does not follow the checkpoint is of an
         // earlier round. A frame past the checkpoint behind it cannot be of one, so that
         // journal does not match the file. Another database's id: nothing to apply.
-        assert!(Journal::open(db, 7, 1).is_err());
-        assert!(Journal::open(db, 7, 2).unwrap().1.is_empty());
-        assert!(Journal::open(db, 8, 0).unwrap().1.is_empty());
+        assert!(Journal::open(&RealDisk, db, 7, 1).is_err());
+        assert!(Journal::open(&RealDisk, db, 7, 2).unwrap().1.is_empty());
+        assert!(Journal::open(&RealDisk, db, 8, 0).unwrap().1.is_empty());
     }
 
     #[test]
     fn a_torn_or_stale_frame_ends_recovery() {
         let db = Db::new("journal-torn");
         let db = &db.0;
-        let (mut journal, _) = Journal::open(db, 1, 0).unwrap();
+        let (mut journal, _) = Journal::open(&RealDisk, db, 1, 0).unwrap();
         for row in 0..3 {
             journal.put(row, |out| out.extend_from_slice(b"value"));
             journal.append().unwrap();
@@ -434,7 +434,7 @@ mod tests {
         journal.put(9, |out| out.extend_from_slice(b"new"));
         journal.append().unwrap();
         drop(journal);
-        let (_, recovered) = Journal::open(db, 1, 3).unwrap();
+        let (_, recovered) = Journal::open(&RealDisk, db, 1, 3).unwrap();
         assert_eq!(changes(&recovered), vec![vec![(9, Some(b"new".to_vec()))]]);
         assert_eq!(recovered.last, 4);
 
@@ -446,10 +446,13 @@ mod tests {
             let mut torn = whole.clone();
             torn[at] ^= 0x40;
             std::fs::write(&path, &torn).unwrap();
-            assert!(Journal::open(db, 1, 3).unwrap().1.is_empty(), "byte {at}");
+            assert!(
+                Journal::open(&RealDisk, db, 1, 3).unwrap().1.is_empty(),
+                "byte {at}"
+            );
         }
         std::fs::write(&path, &whole[..frame_len - 1]).unwrap();
-        assert!(Journal::open(db, 1, 3).unwrap().1.is_empty());
+        assert!(Journal::open(&RealDisk, db, 1, 3).unwrap().1.is_empty());
     }
 
     /// One damaged frame followed by whole frames of the same round: the open fails, naming
@@ -459,7 +462,7 @@ mod tests {
     fn a_damaged_frame_before_whole_ones_stops_the_open() {
         let db = Db::new("journal-damaged-middle");
         let db = &db.0;
-        let (mut journal, _) = Journal::open(db, 5, 0).unwrap();
+        let (mut journal, _) = Journal::open(&RealDisk, db, 5, 0).unwrap();
         let mut starts = Vec::new();
         for row in 0..3 {
             starts.push(journal.end);
@@ -474,7 +477,9 @@ mod tests {
             let mut damaged = whole.clone();
             damaged[at] ^= 0x01;
             std::fs::write(&path, &damaged).unwrap();
-            let error = Journal::open(db, 5, 0).err().expect("the open fails");
+            let error = Journal::open(&RealDisk, db, 5, 0)
+                .err()
+                .expect("the open fails");
             assert_eq!(error.kind(), io::ErrorKind::InvalidData);
             let message = error.to_string();
             assert!(message.contains("frame 2 at byte"), "{message}");
@@ -482,7 +487,7 @@ mod tests {
             assert!(message.contains(&path.display().to_string()), "{message}");
         }
         // A frame missing from the sequence is the same damage.
-        let (mut journal, recovered) = Journal::open(db, 6, 0).unwrap();
+        let (mut journal, recovered) = Journal::open(&RealDisk, db, 6, 0).unwrap();
         assert!(recovered.is_empty());
         journal.put(0, |out| out.extend_from_slice(b"a"));
         journal.append().unwrap();
@@ -490,7 +495,9 @@ mod tests {
         journal.put(1, |out| out.extend_from_slice(b"b"));
         journal.append().unwrap();
         drop(journal);
-        let error = Journal::open(db, 6, 0).err().expect("the open fails");
+        let error = Journal::open(&RealDisk, db, 6, 0)
+            .err()
+            .expect("the open fails");
         assert!(error.to_string().contains("frame 2 at byte"), "{error}");
 
         // The operator cuts the journal at the damaged frame: the frames before it apply.
@@ -498,7 +505,7 @@ mod tests {
         damaged[starts[1] as usize + HEAD_LEN + 2] ^= 0x01;
         damaged.truncate(starts[1] as usize);
         std::fs::write(&path, &damaged).unwrap();
-        let (_, recovered) = Journal::open(db, 5, 0).unwrap();
+        let (_, recovered) = Journal::open(&RealDisk, db, 5, 0).unwrap();
         assert_eq!(
             changes(&recovered),
             vec![vec![(0, Some(b"value".to_vec()))]]

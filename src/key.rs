@@ -216,7 +216,8 @@ mod proptests {
     }
 
     /// Values that look like keys and then do not quite: canonical forms damaged by one
-    /// inserted, replaced or removed byte, and bytes with no structure at all.
+    /// inserted, replaced or removed byte (any byte, often one that matters to the grammar),
+    /// and bytes with no structure at all.
     fn raw_value() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
             proptest::collection::vec(any::<u8>(), 0..300),
@@ -224,7 +225,12 @@ mod proptests {
                 valid_key(),
                 any::<bool>(),
                 any::<Index>(),
-                any::<u8>(),
+                prop_oneof![
+                    any::<u8>(),
+                    proptest::sample::select(vec![
+                        b' ', b'\t', b'"', b'\\', 0x7f, 0x80, 0xff, 0, b'\r', b'\n'
+                    ]),
+                ],
                 0u8..3
             )
                 .prop_map(|(key, quoted, at, byte, how)| {

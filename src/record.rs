@@ -590,15 +590,31 @@ pub(crate) mod proptests {
         )
     }
 
-    /// Input that gets past the version byte often: a valid version and tag (or a random
-    /// tag), a random status and a random tail, or bytes with no structure at all.
-    fn raw_record() -> impl Strategy<Value = Vec<u8>> {
+    /// What records are made of, to be put together in any order: small big-endian lengths
+    /// and counts, runs of token characters, runs of any bytes.
+    fn piece() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![
+            (0u32..12).prop_map(|n| n.to_be_bytes().to_vec()),
+            (0u64..12).prop_map(|n| n.to_be_bytes().to_vec()),
+            "[a-z-]{0,11}".prop_map(String::into_bytes),
+            proptest::collection::vec(any::<u8>(), 0..12),
+        ]
+    }
+
+    /// Input that gets past the version byte often: a valid version, a valid or random tag
+    /// and a status (mostly in range), then random bytes or random pieces; or bytes with no
+    /// structure at all.
+    fn raw_record() -> impl Strategy<Value = Vec<u8>> {
+        let tail = prop_oneof![
             proptest::collection::vec(any::<u8>(), 0..128),
-            (
+            proptest::collection::vec(piece(), 0..12).prop_map(|pieces| pieces.concat()),
+        ];
+        prop_oneof![
+            1 => proptest::collection::vec(any::<u8>(), 0..128),
+            4 => (
                 prop_oneof![Just(TAG_RESPONSE), Just(TAG_TOO_LARGE), any::<u8>()],
-                any::<u16>(),
-                proptest::collection::vec(any::<u8>(), 0..128),
+                prop_oneof![3 => 100u16..=999, 1 => any::<u16>()],
+                tail,
             )
                 .prop_map(|(tag, status, tail)| {
                     let mut b = vec![FORMAT_VERSION, tag];

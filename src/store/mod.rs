@@ -220,3 +220,40 @@ pub trait Store: Send + Sync + 'static {
     /// The backend's name for logs and metrics: `memory`, `redb`, `redis`.
     fn backend(&self) -> &'static str;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::proptests::{completion, config, damaged_encoding};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// What the Redis and redb stores read back goes through `decode_completion`: it
+        /// answers as the record codec does, and every failure is `Corrupt` under the
+        /// backend's name (never a panic, never another kind of error).
+        #[test]
+        fn stored_completions_decode_as_the_codec_does_or_are_corrupt(
+            bytes in prop_oneof![
+                damaged_encoding(),
+                proptest::collection::vec(any::<u8>(), 0..64),
+            ],
+        ) {
+            let bytes = bytes::Bytes::from(bytes);
+            match (decode_completion("redis", bytes.clone()), Completion::decode(bytes)) {
+                (Ok(got), Ok(want)) => prop_assert_eq!(got, want),
+                (Err(StoreError::Corrupt { backend, .. }), Err(_)) => {
+                    prop_assert_eq!(backend, "redis")
+                }
+                (got, want) => prop_assert!(false, "{:?} where the codec gives {:?}", got, want),
+            }
+        }
+
+        #[test]
+        fn stored_completions_read_back_as_written(original in completion()) {
+            let got = decode_completion("redis", original.encode());
+            prop_assert_eq!(got.ok(), Some(original));
+        }
+    }
+}

@@ -525,7 +525,7 @@ pub(crate) mod proptests {
 
     /// One way of damaging an encoding.
     #[derive(Clone, Debug)]
-    enum Mutation {
+    pub(crate) enum Mutation {
         Flip(Index, u8),
         Set(Index, u8),
         Truncate(Index),
@@ -534,7 +534,7 @@ pub(crate) mod proptests {
         Remove(Index, usize),
     }
 
-    fn mutation() -> impl Strategy<Value = Mutation> {
+    pub(crate) fn mutation() -> impl Strategy<Value = Mutation> {
         prop_oneof![
             (any::<Index>(), 1u8..=255).prop_map(|(i, m)| Mutation::Flip(i, m)),
             (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Mutation::Set(i, b)),
@@ -549,7 +549,7 @@ pub(crate) mod proptests {
         ]
     }
 
-    fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
+    pub(crate) fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
         match m {
             Mutation::Flip(i, mask) if !bytes.is_empty() => {
                 let i = i.index(bytes.len());

@@ -3070,3 +3070,75 @@ mod tests {
         assert_eq!(row_expiry(&[]), 0);
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::record::proptests::{apply, config, mutation};
+
+    fn header() -> impl Strategy<Value = Header> {
+        let state = prop_oneof![
+            (any::<u128>(), any::<u64>(), any::<u64>()).prop_map(
+                |(token, lease_deadline, lease)| {
+                    StateHeader::InFlight {
+                        token: OwnerToken(token),
+                        lease_deadline,
+                        lease,
+                    }
+                }
+            ),
+            any::<u64>().prop_map(|stored_at| StateHeader::Completed { stored_at }),
+            any::<u64>().prop_map(|since| StateHeader::Ambiguous { since }),
+        ];
+        (any::<[u8; 32]>(), any::<u64>(), state).prop_map(|(fingerprint, expires, state)| Header {
+            fingerprint: Hash256(fingerprint),
+            expires,
+            state,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// decode(encode(x)) = x for a stored row: key, header and completion bytes.
+        #[test]
+        fn a_row_parses_back_to_what_was_encoded(
+            key in any::<[u8; 32]>(),
+            header in header(),
+            completion in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let completion = match header.state {
+                StateHeader::Completed { .. } => completion,
+                _ => Vec::new(),
+            };
+            let row = encode_row(&Hash256(key), &header, &completion);
+            let (parsed_key, record) = split_row(&row).unwrap();
+            prop_assert_eq!(parsed_key, Hash256(key));
+            let (parsed, rest) = Header::parse(record).unwrap();
+            prop_assert_eq!(parsed, header);
+            prop_assert_eq!(rest, &completion[..]);
+            prop_assert_eq!(row_expiry(&row), header.expires);
+        }
+
+        /// Damaged rows and arbitrary bytes never panic the row's decoders.
+        #[test]
+        fn damaged_rows_never_panic(
+            key in any::<[u8; 32]>(),
+            header in header(),
+            mutations in proptest::collection::vec(mutation(), 0..4),
+            arbitrary in proptest::collection::vec(any::<u8>(), 0..128),
+        ) {
+            let mut row = encode_row(&Hash256(key), &header, b"completion");
+            for m in &mutations {
+                apply(&mut row, m);
+            }
+            for bytes in [&row[..], &arbitrary[..]] {
+                let _ = parse_row(bytes);
+                let _ = row_expiry(bytes);
+                let _ = Header::parse(bytes);
+            }
+        }
+    }
+}

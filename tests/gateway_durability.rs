@@ -557,6 +557,19 @@ async fn a_redb_file_that_cannot_grow_fails_closed_and_recovers_without_a_restar
         gw.logs()
     );
 
+    // While the file refuses writes, a completed record is still replayed.
+    for i in 0..20 {
+        let replay = charge(&gw, "k-before", &[]).await;
+        assert_eq!(
+            replay.status,
+            201,
+            "replay {i} while the file refuses writes: {}",
+            replay.text()
+        );
+        assert!(replay.replayed(), "{:?}", replay.headers);
+        assert_eq!(replay.body, before.body);
+    }
+
     // The disk takes writes again: the store reopens the file on its own.
     limit_file_size(gw.pid(), None);
     let after = eventually(300, || async {

@@ -77,8 +77,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use hashbrown::HashTable;
 use redb::{
-    Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata,
-    TableDefinition, TableHandle,
+    Database, DatabaseError, Durability, ReadableDatabase, ReadableTable, TableDefinition,
+    TableHandle,
 };
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
@@ -442,8 +442,16 @@ fn open_file(
     for made in &made {
         sync_dir(parent_dir(made))?;
     }
-    let db = disk
-        .create_database(Database::builder().set_cache_size(CACHE_BYTES), path)
+    let db = open_database(disk, path)?;
+    let opened = attach(disk, db, path, leases_from)?;
+    // The file and the journal exist for good before anything is acknowledged.
+    sync_dir(dir)?;
+    Ok(opened)
+}
+
+/// Opens (or creates) the database file, repairing it if it was not closed cleanly.
+fn open_database(disk: &dyn Disk, path: &Path) -> Result<Database, StoreError> {
+    disk.create_database(Database::builder().set_cache_size(CACHE_BYTES), path)
         .map_err(|e| match e {
             DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {
                 path: path.to_path_buf(),
@@ -452,11 +460,7 @@ fn open_file(
                 path: path.to_path_buf(),
                 source: other.into(),
             }),
-        })?;
-    let opened = attach(disk, db, path, leases_from)?;
-    // The file and the journal exist for good before anything is acknowledged.
-    sync_dir(dir)?;
-    Ok(opened)
+        })
 }
 
 /// Brings an open database up to date: checks its format, migrates an older layout, applies
@@ -468,12 +472,93 @@ fn attach(
     path: &Path,
     leases_from: Option<u64>,
 ) -> Result<(Database, Journal, RowIndex), StoreError> {
-    let open_error = |source: redb::Error| {
+    let open_error = open_error(path);
+    let Prepared {
+        txn,
+        journal,
+        frames,
+        next_row,
+        migrated,
+    } = prepare(disk, &db, path, leases_from)?;
+    record_checkpoint(&txn, journal.last(), next_row).map_err(&open_error)?;
+    txn.commit().map_err(|e| open_error(e.into()))?;
+    // Logged once committed.
+    match migrated {
+        Some(Migrated { moved, unreadable }) if unreadable > 0 => tracing::warn!(
+            moved,
+            unreadable,
+            "redb file migrated; unreadable records were not carried over"
+        ),
+        Some(Migrated { moved, .. }) => {
+            tracing::info!(moved, "redb file migrated to the current layout")
+        }
+        None => {}
+    }
+    if frames > 0 {
+        tracing::info!(
+            frames,
+            journal = %journal.path().display(),
+            "redb journal applied: changes acknowledged after the last checkpoint are back"
+        );
+    }
+    let rows = db
+        .begin_read()
+        .map_err(redb::Error::from)
+        .and_then(|read| RowIndex::load(&read.open_table(RECORDS)?, next_row))
+        .map_err(&open_error)?;
+    Ok((db, journal, rows))
+}
+
+/// The file as the store answers from it while it takes no writes (see
+/// [`Writer::open_read_view`]): opened anew, brought up to date as [`attach`] does, in a
+/// write transaction that is never committed.
+fn read_view(
+    disk: &dyn Disk,
+    path: &Path,
+) -> Result<(Database, redb::WriteTransaction, RowIndex), StoreError> {
+    let db = open_database(disk, path)?;
+    let prepared = prepare(disk, &db, path, None)?;
+    let rows = prepared
+        .txn
+        .open_table(RECORDS)
+        .map_err(redb::Error::from)
+        .and_then(|records| RowIndex::load(&records, prepared.next_row))
+        .map_err(open_error(path))?;
+    Ok((db, prepared.txn, rows))
+}
+
+/// The error of a failed open of the file at `path`.
+fn open_error(path: &Path) -> impl Fn(redb::Error) -> StoreError + '_ {
+    move |source| {
         unavailable(RedbError::Open {
             path: path.to_path_buf(),
             source,
         })
-    };
+    }
+}
+
+/// A file brought up to date in a write transaction not yet committed.
+struct Prepared {
+    txn: redb::WriteTransaction,
+    journal: Journal,
+    /// How many journal frames were applied.
+    frames: usize,
+    /// The number the next row written will have.
+    next_row: u64,
+    migrated: Option<Migrated>,
+}
+
+/// Brings `db` up to date in a write transaction it leaves uncommitted: checks the format,
+/// migrates an older layout, applies the journal's frames past the last checkpoint to a file
+/// that is as that checkpoint left it (each frame must fit it), and with `leases_from` gives
+/// every record in flight a whole lease from then.
+fn prepare(
+    disk: &dyn Disk,
+    db: &Database,
+    path: &Path,
+    leases_from: Option<u64>,
+) -> Result<Prepared, StoreError> {
+    let open_error = open_error(path);
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
     let format = txn
         .open_table(JOURNAL_STATE)
@@ -486,21 +571,8 @@ fn attach(
             supported: FORMAT,
         }));
     }
-    let migrated = migrate(&txn).map_err(open_error)?;
-    let state = file_state(&txn).map_err(open_error)?;
-    txn.commit().map_err(|e| open_error(e.into()))?;
-    // Logged once the migration is committed.
-    match migrated {
-        Some(Migrated { moved, unreadable }) if unreadable > 0 => tracing::warn!(
-            moved,
-            unreadable,
-            "redb file migrated; unreadable records were not carried over"
-        ),
-        Some(Migrated { moved, .. }) => {
-            tracing::info!(moved, "redb file migrated to the current layout")
-        }
-        None => {}
-    }
+    let migrated = migrate(&txn).map_err(&open_error)?;
+    let state = file_state(&txn).map_err(&open_error)?;
     let journal_path = Journal::path_for(path);
     let journal_error = |source| {
         unavailable(RedbError::Journal {
@@ -517,11 +589,10 @@ fn attach(
     };
     let (journal, recovered) =
         Journal::open(disk, path, state.id, state.applied).map_err(journal_error)?;
-    let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
     let next_row = {
         let mut records = txn.open_table(RECORDS).map_err(|e| open_error(e.into()))?;
         let found =
-            Mark::of(&records, state.mark.map_or(0, |mark| mark.next_row)).map_err(open_error)?;
+            Mark::of(&records, state.mark.map_or(0, |mark| mark.next_row)).map_err(&open_error)?;
         if !recovered.is_empty() {
             if let Some(mark) = state.mark.filter(|&mark| mark != found) {
                 return Err(mismatch(format!(
@@ -550,7 +621,7 @@ fn attach(
             }
         }
         if let Some(now) = leases_from {
-            let renewed = lease_from(&mut records, now).map_err(open_error)?;
+            let renewed = lease_from(&mut records, now).map_err(&open_error)?;
             if renewed > 0 {
                 tracing::info!(
                     renewed,
@@ -561,19 +632,15 @@ fn attach(
         // Rows are never numbered twice, even after the last ones were removed.
         found
             .next_row
-            .max(next_row_of(&records).map_err(open_error)?)
+            .max(next_row_of(&records).map_err(&open_error)?)
     };
-    record_checkpoint(&txn, recovered.last, next_row).map_err(open_error)?;
-    txn.commit().map_err(|e| open_error(e.into()))?;
-    if !recovered.is_empty() {
-        tracing::info!(
-            frames = recovered.len(),
-            journal = %journal.path().display(),
-            "redb journal applied: changes acknowledged after the last checkpoint are back"
-        );
-    }
-    let rows = RowIndex::load(&db, next_row).map_err(open_error)?;
-    Ok((db, journal, rows))
+    Ok(Prepared {
+        txn,
+        journal,
+        frames: recovered.len(),
+        next_row,
+        migrated,
+    })
 }
 
 /// What the last checkpoint recorded of the file, to tell at open whether anything else
@@ -936,9 +1003,10 @@ struct RowIndex {
 impl RowIndex {
     /// Reads the index of every row; rows written from now on are numbered from `next` on
     /// (or past the last row, if that is later).
-    fn load(db: &Database, next: u64) -> Result<Self, redb::Error> {
-        let txn = db.begin_read()?;
-        let table = txn.open_table(RECORDS)?;
+    fn load(
+        table: &impl ReadableTable<u64, &'static [u8]>,
+        next: u64,
+    ) -> Result<Self, redb::Error> {
         let mut index = Self {
             rows: HashTable::with_capacity(usize::try_from(table.len()?).unwrap_or(0)),
             hasher: KeyHasher::new(),
@@ -1144,6 +1212,68 @@ fn decide(
     }
 }
 
+/// The records as a file that refuses writes still answers them: calls that change nothing.
+struct ReadView<'a, T> {
+    records: &'a T,
+    rows: &'a RowIndex,
+}
+
+impl<T: ReadableTable<u64, &'static [u8]>> ReadView<'_, T> {
+    /// The header and completion bytes of `key`'s record, read in place, if it has one.
+    fn with_record<R>(
+        &self,
+        key: &RecordKey,
+        f: impl FnOnce(Result<(Header, &[u8]), DecodeError>) -> R,
+    ) -> Result<Option<R>, redb::Error> {
+        let Some(row) = self.rows.row_of(key) else {
+            return Ok(None);
+        };
+        Ok(self
+            .records
+            .get(row)?
+            .map(|value| f(parse_row(value.value()))))
+    }
+
+    /// The answer to a claim that changes nothing (a replay, a conflict); `None` for one that
+    /// would write (a new or expired key, a lapsed lease) or could not be read.
+    fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &FingerprintHash,
+        options: &ClaimOptions,
+        now: u64,
+    ) -> Option<Result<Claim, StoreError>> {
+        self.with_record(key, |parsed| {
+            let (found, completion) = parsed.ok()?;
+            match decide(Some(&found), fingerprint, options, now) {
+                ClaimStep::Answer(claim) => Some(Ok(claim)),
+                ClaimStep::Replay => {
+                    Some(decode_completion(completion).map(|c| Claim::Completed(Arc::new(c))))
+                }
+                ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => None,
+            }
+        })
+        .ok()
+        .flatten()
+        .flatten()
+    }
+
+    /// The live record of `key`, if there is one.
+    fn get(
+        &self,
+        key: &RecordKey,
+        now: u64,
+    ) -> Result<Result<Option<Record>, StoreError>, redb::Error> {
+        Ok(self
+            .with_record(key, |parsed| match parsed {
+                Ok((header, _)) if !header.is_live(now) => Ok(None),
+                Ok((header, completion)) => header.to_record(completion).map(Some),
+                Err(e) => Err(corrupt(e)),
+            })?
+            .unwrap_or(Ok(None)))
+    }
+}
+
 // -------------------------------------------------------------------------------------------
 // The writer.
 
@@ -1304,9 +1434,11 @@ struct Writer {
     /// Every failure once it holds changes poisons the file: the reopen applies the journal.
     /// Declared before `db`, so it is dropped (aborted) before the file is closed.
     txn: Option<redb::WriteTransaction>,
-    /// The open file; `None` only while [`Writer::poisoned`] is set and reopening failed.
+    /// The open file; `None` only while [`Writer::poisoned`] is set and neither reopening it
+    /// nor opening a read view of it succeeded.
     db: Option<Database>,
-    /// The open file's journal; `None` exactly when `db` is.
+    /// The open file's journal; `None` while [`Writer::poisoned`] is set (a read view has
+    /// none).
     journal: Option<Journal>,
     /// When the database was last committed durably.
     checkpointed_at: Instant,
@@ -1420,7 +1552,7 @@ impl Writer {
                     cause: Arc::clone(&poisoned.cause),
                     poisoned: true,
                 };
-                batch.drain(..).for_each(|op| op.fail(&failure));
+                self.answer_from_read_view(batch, &failure);
             }
             return;
         }
@@ -1493,6 +1625,92 @@ impl Writer {
             cause,
             retry_at: Instant::now() + wait,
         });
+        self.open_read_view();
+    }
+
+    /// Drops the handles of a file that failed, and the pages of both files the system
+    /// caches: a failed sync leaves pages there that the disk may never have got, marked clean.
+    /// Read through them, a reopened file would take a failed checkpoint for done, skip the
+    /// journal frames it holds, and later commits would build on pages that are not on the
+    /// disk. Dropped, every read comes from the disk, and the journal (kept whole until a
+    /// checkpoint's sync succeeds) brings back what the file lacks.
+    fn close_and_forget(&mut self) -> Result<(), StoreError> {
+        // The failed handle holds the file's lock: closed before the file is opened again.
+        self.txn = None;
+        self.db = None;
+        self.journal = None;
+        let journal = Journal::path_for(&self.path);
+        [&*self.path, &journal]
+            .into_iter()
+            .try_for_each(|path| self.disk.forget_cached(path))
+            .map_err(|source| {
+                unavailable(RedbError::Journal {
+                    path: journal.clone(),
+                    source,
+                })
+            })
+    }
+
+    /// Opens a view of the file to answer from while it takes no writes: the file as the
+    /// disk holds it, with the journal's frames applied to a write transaction that is never
+    /// committed. Its opening writes nothing but redb's own repair of the header. Without
+    /// one, every call is refused.
+    fn open_read_view(&mut self) {
+        match self
+            .close_and_forget()
+            .and_then(|()| read_view(&*self.disk, &self.path))
+        {
+            Ok((db, txn, rows)) => {
+                self.db = Some(db);
+                self.txn = Some(txn);
+                self.rows = rows;
+                tracing::warn!(
+                    path = %self.path.display(),
+                    "redb file refuses writes: replays of completed records are answered \
+                     from a read view until it is reopened"
+                );
+            }
+            Err(e) => tracing::error!(
+                path = %self.path.display(),
+                error = %crate::ErrorChain(&e),
+                "redb file cannot be read either: every call is refused until it is reopened"
+            ),
+        }
+    }
+
+    /// Answers, while the file refuses writes, each call of `batch` that changes nothing —
+    /// a claim that finds a record it does not replace (a replay above all), a read — from
+    /// the read view if there is one; every other call gets `failure`.
+    fn answer_from_read_view(&mut self, batch: &mut Vec<Op>, failure: &Failure) {
+        let now = self.clock.now();
+        let records = self.txn.as_ref().map(|txn| txn.open_table(RECORDS));
+        let Some(Ok(records)) = records else {
+            batch.drain(..).for_each(|op| op.fail(failure));
+            return;
+        };
+        let view = ReadView {
+            records: &records,
+            rows: &self.rows,
+        };
+        for op in batch.drain(..) {
+            match op {
+                Op::Claim {
+                    key,
+                    fingerprint,
+                    options,
+                    reply,
+                    ..
+                } => match view.claim(&key, &fingerprint, &options, now) {
+                    Some(answer) => drop(reply.send(answer)),
+                    None => drop(reply.send(Err(failure.error()))),
+                },
+                Op::Get { key, reply } => {
+                    let answer = view.get(&key, now).unwrap_or_else(|_| Err(failure.error()));
+                    drop(reply.send(answer));
+                }
+                other => other.fail(failure),
+            }
+        }
     }
 
     /// Whether the file takes changes: true unless a write failed and reopening the file
@@ -1506,27 +1724,9 @@ impl Writer {
             Some(poisoned) if now < poisoned.retry_at => return false,
             Some(_) => {}
         }
-        // The failed handle still holds the file's lock: close it before opening again.
-        self.txn = None;
-        self.db = None;
-        self.journal = None;
-        // A failed sync leaves pages in the cache that the disk may never have got, marked
-        // clean: read through them, the reopened file would take the failed checkpoint for
-        // done, skip the journal frames it holds, and later commits would build on pages
-        // that are not on the disk. Dropped, every read comes from the disk, and the journal
-        // (kept whole until a checkpoint's sync succeeds) brings back what the file lacks.
-        let journal_path = Journal::path_for(&self.path);
-        let forgotten = [&*self.path, &journal_path]
-            .into_iter()
-            .try_for_each(|path| self.disk.forget_cached(path));
         // The records in flight are this process's own, with deadlines on its clock.
-        let reopened = forgotten
-            .map_err(|source| {
-                unavailable(RedbError::Journal {
-                    path: journal_path.clone(),
-                    source,
-                })
-            })
+        let reopened = self
+            .close_and_forget()
             .and_then(|()| open_file(&*self.disk, &self.path, None));
         match reopened {
             Ok((db, journal, rows)) => {
@@ -1553,6 +1753,7 @@ impl Writer {
                     retry_in_ms = wait.as_millis() as u64,
                     "redb file could not be reopened"
                 );
+                self.open_read_view();
                 false
             }
         }
@@ -1796,14 +1997,11 @@ impl Tables<'_> {
         key: &RecordKey,
         now: u64,
     ) -> Result<Result<Option<Record>, StoreError>, redb::Error> {
-        let Some((_, value)) = self.stored(key)? else {
-            return Ok(Ok(None));
+        let view = ReadView {
+            records: &self.records,
+            rows: self.rows,
         };
-        Ok(match parse_row(value.value()) {
-            Ok((header, _)) if !header.is_live(now) => Ok(None),
-            Ok((header, completion)) => header.to_record(completion).map(Some),
-            Err(e) => Err(corrupt(e)),
-        })
+        view.get(key, now)
     }
 
     fn claim(
@@ -2046,6 +2244,8 @@ impl Store for RedbStore {
 
 #[cfg(test)]
 mod tests {
+    use redb::ReadableTableMetadata;
+
     use super::*;
 
     impl Header {

@@ -81,8 +81,6 @@ pub(super) enum Change<'a> {
 pub(super) struct Recovered {
     data: Vec<u8>,
     payloads: Vec<Range<usize>>,
-    /// The sequence number of the last frame found (the database's if none).
-    pub(super) last: u64,
 }
 
 impl Recovered {
@@ -199,14 +197,7 @@ impl Journal {
             end: 0,
             frame: Self::empty_frame(),
         };
-        Ok((
-            journal,
-            Recovered {
-                data,
-                payloads,
-                last,
-            },
-        ))
+        Ok((journal, Recovered { data, payloads }))
     }
 
     fn empty_frame() -> Vec<u8> {
@@ -400,7 +391,6 @@ mod tests {
         drop(journal);
 
         let (journal, recovered) = Journal::open(&RealDisk, db, 7, 0).unwrap();
-        assert_eq!(recovered.last, 2);
         assert_eq!(
             changes(&recovered),
             vec![
@@ -434,9 +424,9 @@ mod tests {
         journal.put(9, |out| out.extend_from_slice(b"new"));
         journal.append().unwrap();
         drop(journal);
-        let (_, recovered) = Journal::open(&RealDisk, db, 1, 3).unwrap();
+        let (journal, recovered) = Journal::open(&RealDisk, db, 1, 3).unwrap();
         assert_eq!(changes(&recovered), vec![vec![(9, Some(b"new".to_vec()))]]);
-        assert_eq!(recovered.last, 4);
+        assert_eq!(journal.last(), 4);
 
         // Any byte of that frame changed, or the frame cut short: nothing is applied.
         let path = Journal::path_for(db);
@@ -606,8 +596,8 @@ mod proptests {
             let disk = SimDisk::default();
             let db = Path::new("/sim/journal/db.redb");
             written(&disk, db, id, &frames);
-            let (_, recovered) = Journal::open(&disk, db, id, 0).unwrap();
-            prop_assert_eq!(recovered.last, frames.len() as u64);
+            let (journal, recovered) = Journal::open(&disk, db, id, 0).unwrap();
+            prop_assert_eq!(journal.last(), frames.len() as u64);
             prop_assert_eq!(recovered_changes(&recovered), frames);
         }
 

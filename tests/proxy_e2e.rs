@@ -1273,6 +1273,83 @@ async fn a_response_body_that_stops_coming_is_cut_after_the_upstream_timeout() {
     upstream.abort();
 }
 
+/// Sends a keyed `POST` twice to a gateway in front of an upstream that answers every request
+/// with `first`, then after `pause` with `rest`; answers both of the gateway's answers.
+async fn keyed_twice_through(
+    first: &'static [u8],
+    pause: Duration,
+    rest: &'static [u8],
+    key: &str,
+) -> (String, String) {
+    let (addr, upstream) = pausing_upstream(first, pause, rest).await;
+    let dir = TempDir::new();
+    let gw = Gateway::start(&["--config", &config(&dir, &format!("http://{addr}"), "")]);
+    let request = format!(
+        "POST /malformed HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx"
+    );
+    let answer = raw(gw.addr, request.as_bytes()).await;
+    let retry = raw(gw.addr, request.as_bytes()).await;
+    upstream.abort();
+    (answer, retry)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_head_over_64_kib_is_a_502_and_never_stored_even_when_one_read_completes_it() {
+    // The head comes in two writes: 60 000 bytes (under the limit, so reading goes on), then
+    // 10 000 more that complete it in one read, at 70 KB in all.
+    static FIRST: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        let mut head = b"HTTP/1.1 201 Created\r\nx-big: ".to_vec();
+        head.resize(60_000, b'a');
+        head
+    });
+    static REST: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        let mut rest = b"\r\nx-more: ".to_vec();
+        rest.resize(10_000, b'b');
+        rest.extend_from_slice(b"\r\nContent-Length: 6\r\n\r\nstored");
+        rest
+    });
+    let (answer, retry) =
+        keyed_twice_through(&FIRST, Duration::from_millis(300), &REST, "k-big-head").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 502"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(
+        answer.contains("application/problem+json"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(
+        !retry.contains("stored") && !retry.to_ascii_lowercase().contains("idempotent-replayed"),
+        "the over-limit response was stored and replayed: {}",
+        &retry[..retry.len().min(300)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_response_with_a_transfer_coding_other_than_chunked_is_a_502_and_never_stored()
+{
+    for (coded, key) in [
+        (
+            &b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip, chunked\r\n\r\n6\r\nstored\r\n0\r\n\r\n"[..],
+            "k-te-gzip-chunked",
+        ),
+        (
+            &b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip\r\n\r\nstored"[..],
+            "k-te-gzip",
+        ),
+    ] {
+        let (answer, retry) = keyed_twice_through(coded, Duration::ZERO, b"", key).await;
+        assert!(answer.starts_with("HTTP/1.1 502"), "{key}: {answer}");
+        assert!(answer.contains("application/problem+json"), "{key}: {answer}");
+        assert!(
+            !retry.contains("stored") && !retry.to_ascii_lowercase().contains("idempotent-replayed"),
+            "{key}: the coded response was stored and replayed: {retry}"
+        );
+    }
+}
+
 /// An upstream on 127.0.0.1 that answers each request with `first`, waits `pause`, then
 /// writes `rest`. Abort the task to stop it.
 async fn pausing_upstream(

@@ -641,9 +641,8 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
 fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
     let mut codings =
         crate::headers::list_elements(req.headers(), &http::header::TRANSFER_ENCODING);
-    let first = codings.next()?;
-    let chunked_alone = first.eq_ignore_ascii_case(b"chunked") && codings.next().is_none();
-    (!chunked_alone).then(Problem::unsupported_transfer_coding)
+    codings.next()?;
+    (!crate::headers::chunked_alone(req.headers())).then(Problem::unsupported_transfer_coding)
 }
 
 impl<S, B, RB> hyper::service::Service<Request<RB>> for Front<S>

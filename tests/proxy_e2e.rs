@@ -1004,6 +1004,117 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn connect_is_refused_and_options_star_goes_upstream_in_asterisk_form() {
+    let s = setup().await;
+    // CONNECT asks for a tunnel, which a reverse proxy does not open: refused, whichever
+    // target form it comes in, and nothing is forwarded.
+    for request in [
+        &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nConnection: close\r\n\r\n"
+            [..],
+        b"CONNECT / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    ] {
+        let answer = raw(s.gw.addr, request).await;
+        assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+        assert!(
+            answer.contains("urn:idemgate:problem:unsupported-method"),
+            "{answer}"
+        );
+    }
+    assert_eq!(s.upstream.total_hits(), 0, "a CONNECT was forwarded");
+    // OPTIONS * is about the server as a whole: it goes upstream as OPTIONS *, not as a
+    // request for the resource /*.
+    let answer = raw(
+        s.gw.addr,
+        b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert_eq!(s.upstream.hits("/*"), 0, "OPTIONS * went upstream as /*");
+    assert_eq!(s.upstream.hits("*"), 1);
+    // An asterisk target with any other method is not a request for anything.
+    let answer = raw(
+        s.gw.addr,
+        b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(s.upstream.total_hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_without_exactly_one_valid_host_is_a_400_and_not_forwarded() {
+    use tokio::io::AsyncWriteExt;
+    let s = setup().await;
+    let refused: [(&str, &str); 4] = [
+        ("/no-host", ""),
+        ("/two-hosts", "Host: a.example\r\nHost: b.example\r\n"),
+        ("/two-hosts-mixed", "host: a.example\r\nHOST: a.example\r\n"),
+        ("/bad-host", "Host: user@a.example\r\n"),
+    ];
+    for (path, hosts) in refused {
+        // Served by the gateway's own HTTP/1.1 loop (a plain keep-alive request) and by hyper
+        // (Connection: close hands the connection over).
+        let request = format!(
+            "POST {path} HTTP/1.1\r\n{hosts}Idempotency-Key: k{path}\r\nContent-Length: 1\r\n\r\nx"
+        );
+        let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let head = read_response(&mut stream).await;
+        assert!(
+            head.starts_with("HTTP/1.1 400"),
+            "{path} (own loop): {head}"
+        );
+        let request = format!(
+            "POST {path} HTTP/1.1\r\n{hosts}Idempotency-Key: k{path}\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx"
+        );
+        let answer = raw(s.gw.addr, request.as_bytes()).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{path} (hyper): {answer}"
+        );
+        assert!(
+            answer.contains("urn:idemgate:problem:malformed-request"),
+            "{path}: {answer}"
+        );
+        assert_eq!(s.upstream.hits(path), 0, "{path} was forwarded");
+    }
+    // HTTP/1.0 needs no Host; an empty one is valid (a target without an authority); h2c
+    // carries the authority in :authority.
+    let answer = raw(
+        s.gw.addr,
+        b"POST /http10 HTTP/1.0\r\nContent-Length: 1\r\n\r\nx",
+    )
+    .await;
+    assert!(
+        answer.starts_with("HTTP/1.1 201") || answer.starts_with("HTTP/1.0 201"),
+        "{answer}"
+    );
+    let answer = raw(
+        s.gw.addr,
+        b"POST /empty-host HTTP/1.1\r\nHost:\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert_eq!(
+        send_h2c("POST", &s.gw.url("/h2-host"), &[], "x")
+            .await
+            .status,
+        201
+    );
+    let counted = eventually(100, || async {
+        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
+        text.contains("\nidemgate_unrouted_requests_total{reason=\"malformed\"} 8\n")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        counted.is_some(),
+        "{}",
+        admin_get(&s.gw, "/metrics", &[]).await.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn responses_use_the_clients_http_version() {
     // An upstream that answers in HTTP/1.0, as some small servers do.
     let (addr, upstream) = pausing_upstream(

@@ -635,6 +635,80 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
         .then(|| Problem::header_block_too_large(block, limits.max_header_bytes))
 }
 
+/// Why the front service answers `req` itself, forwarding nothing, if it does: header fields
+/// past the limits, a method or target the gateway does not forward, a `Host` that does not
+/// name one host, or a body framed with a transfer coding it cannot forward. The same for
+/// every request, whether the gateway's own HTTP/1.1 loop or hyper read it.
+fn refusal<B: http_body::Body>(
+    req: &Request<B>,
+    limits: &Limits,
+) -> Option<(Problem, UnroutedReason)> {
+    if let Some(problem) = over_header_limits(req, limits) {
+        return Some((problem, UnroutedReason::TooLarge));
+    }
+    if req.method() == http::Method::CONNECT {
+        return Some((
+            Problem::unsupported_method(req.method()),
+            UnroutedReason::Unsupported,
+        ));
+    }
+    if let Some(problem) = malformed_target_or_host(req) {
+        return Some((problem, UnroutedReason::Malformed));
+    }
+    // Only a body of unknown length (chunked) can have come with a transfer coding.
+    if http_body::Body::size_hint(req.body()).exact().is_none() {
+        return unsupported_transfer_coding(req)
+            .map(|problem| (problem, UnroutedReason::Unsupported));
+    }
+    None
+}
+
+/// `400 malformed-request` for a request whose target or `Host` does not say what it is for
+/// (RFC 9112 §3.2): an HTTP/1.1 request without `Host`, any request with more than one, or
+/// with one that is not `host[:port]` (empty is allowed: a target without an authority). Over
+/// HTTP/2 the authority comes in `:authority`, so no `Host` is needed; one that is sent must
+/// name the same (RFC 9113 §8.3.1). The asterisk target (`*`) is for `OPTIONS` alone.
+fn malformed_target_or_host<B>(req: &Request<B>) -> Option<Problem> {
+    let uri = req.uri();
+    if uri.authority().is_none() && uri.path() == "*" && req.method() != http::Method::OPTIONS {
+        return Some(Problem::malformed_request(
+            "the asterisk target (*) is for OPTIONS only",
+        ));
+    }
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Some(Problem::malformed_request(
+            "the request has more than one Host field",
+        ));
+    }
+    let Some(host) = host else {
+        return (req.version() == http::Version::HTTP_11)
+            .then(|| Problem::malformed_request("an HTTP/1.1 request must have a Host field"));
+    };
+    let host = host.as_bytes();
+    if host.is_empty() {
+        return None;
+    }
+    // An authority without userinfo: `host[:port]`.
+    let Some(authority) = (!host.contains(&b'@'))
+        .then(|| http::uri::Authority::try_from(host).ok())
+        .flatten()
+    else {
+        return Some(Problem::malformed_request(
+            "the Host field is not a host and an optional port",
+        ));
+    };
+    if req.version() == http::Version::HTTP_2
+        && uri.authority().is_some_and(|named| named != &authority)
+    {
+        return Some(Problem::malformed_request(
+            "the Host field names another authority than :authority",
+        ));
+    }
+    None
+}
+
 /// `501 unsupported-transfer-coding` for a request whose `Transfer-Encoding` is anything but
 /// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
 /// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
@@ -657,15 +731,7 @@ where
     type Future = FrontFuture<S::Future, B>;
 
     fn call(&self, req: Request<RB>) -> Self::Future {
-        let refused = match over_header_limits(&req, &self.limits) {
-            Some(problem) => Some((problem, UnroutedReason::TooLarge)),
-            // Only a body of unknown length (chunked) can have come with a transfer coding.
-            None if http_body::Body::size_hint(req.body()).exact().is_none() => {
-                unsupported_transfer_coding(&req)
-                    .map(|problem| (problem, UnroutedReason::Unsupported))
-            }
-            None => None,
-        };
+        let refused = refusal(&req, &self.limits);
         let log = RequestLog {
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
@@ -891,6 +957,93 @@ mod tests {
             );
         }
         req
+    }
+
+    fn with_hosts(version: http::Version, target: &str, hosts: &[&str]) -> Request<()> {
+        let mut req = Request::builder().version(version).uri(target);
+        for host in hosts {
+            req = req.header(http::header::HOST, *host);
+        }
+        req.body(()).unwrap()
+    }
+
+    #[test]
+    fn a_request_must_name_one_host_and_http11_must_send_it() {
+        use http::Version;
+        let fine = [
+            (Version::HTTP_11, "/v1", &["api.example"][..]),
+            (Version::HTTP_11, "/v1", &["api.example:8080"]),
+            (Version::HTTP_11, "/v1", &["[::1]:8080"]),
+            (Version::HTTP_11, "/v1", &[""]),
+            (
+                Version::HTTP_11,
+                "http://other.example/v1",
+                &["api.example"],
+            ),
+            (Version::HTTP_10, "/v1", &[]),
+            (Version::HTTP_2, "http://api.example/v1", &[]),
+            (Version::HTTP_2, "http://api.example/v1", &["API.example"]),
+        ];
+        for (version, target, hosts) in fine {
+            let req = with_hosts(version, target, hosts);
+            assert!(
+                malformed_target_or_host(&req).is_none(),
+                "{version:?} {target} {hosts:?}"
+            );
+        }
+        let malformed = [
+            (Version::HTTP_11, "/v1", &[][..]),
+            (Version::HTTP_11, "/v1", &["a.example", "a.example"]),
+            (Version::HTTP_10, "/v1", &["a.example", "b.example"]),
+            (
+                Version::HTTP_2,
+                "http://api.example/v1",
+                &["a.example", "a.example"],
+            ),
+            (Version::HTTP_11, "/v1", &["user@a.example"]),
+            (Version::HTTP_11, "/v1", &["a.example/path"]),
+            (Version::HTTP_11, "/v1", &["a example"]),
+            (Version::HTTP_2, "http://api.example/v1", &["other.example"]),
+        ];
+        for (version, target, hosts) in malformed {
+            let req = with_hosts(version, target, hosts);
+            let problem = malformed_target_or_host(&req);
+            assert_eq!(
+                problem.map(|p| p.kind()),
+                Some(crate::response::ProblemKind::MalformedRequest),
+                "{version:?} {target} {hosts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn connect_and_an_asterisk_without_options_are_refused_before_anything_else() {
+        let limits = Limits {
+            max_connections: 16,
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_headers: 64,
+            max_header_bytes: 64 * 1024,
+        };
+        let req = |method: http::Method, target: &str| {
+            Request::builder()
+                .method(method)
+                .uri(target)
+                .header(http::header::HOST, "x")
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap()
+        };
+        let refused = |req| refusal(&req, &limits).map(|(p, reason)| (p.status().as_u16(), reason));
+        assert_eq!(
+            refused(req(http::Method::CONNECT, "example.com:443")),
+            Some((501, UnroutedReason::Unsupported))
+        );
+        assert_eq!(
+            refused(req(http::Method::GET, "*")),
+            Some((400, UnroutedReason::Malformed))
+        );
+        assert_eq!(refused(req(http::Method::OPTIONS, "*")), None);
+        assert_eq!(refused(req(http::Method::POST, "/v1")), None);
     }
 
     #[test]

@@ -1115,6 +1115,59 @@ async fn a_request_without_exactly_one_valid_host_is_a_400_and_not_forwarded() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn request_fields_with_underscores_are_dropped_unless_configured_to_pass() {
+    // Names a CGI-style upstream reads as the framing and forwarding fields.
+    let underscored = [
+        ("transfer_encoding", "chunked"),
+        ("content_length", "999"),
+        ("x_forwarded_for", "6.6.6.6"),
+        ("x_api_key", "k"),
+    ];
+    let s = setup().await;
+    let mut headers = underscored.to_vec();
+    headers.push(("x-kept", "1"));
+    // Over HTTP/1.1 (the gateway's own loop) and h2c (hyper).
+    for h2 in [false, true] {
+        let url = s.gw.url("/underscores");
+        let r = if h2 {
+            send_h2c("POST", &url, &headers, "x").await
+        } else {
+            send("POST", &url, &headers, "x").await
+        };
+        assert_eq!(r.status, 201, "h2c: {h2}");
+        let seen = s.upstream.last_headers();
+        for (name, _) in underscored {
+            assert!(
+                !seen.contains_key(name),
+                "h2c {h2}: {name} was forwarded: {seen:?}"
+            );
+        }
+        assert_eq!(seen["x-kept"], "1");
+        assert_eq!(seen["x-forwarded-for"], "127.0.0.1", "h2c: {h2}");
+        assert_eq!(seen["content-length"], "1", "h2c: {h2}");
+    }
+    // Kept when the file or the flag says so.
+    let file = setup_with("underscores_in_headers = true").await;
+    let flag_dir = TempDir::new();
+    let flag_upstream = TestUpstream::start().await;
+    let flag = Gateway::start_configured(
+        &flag_dir,
+        &flag_upstream,
+        "memory",
+        "",
+        &["--underscores-in-headers"],
+    );
+    for (gw, upstream) in [(&file.gw, &file.upstream), (&flag, &flag_upstream)] {
+        let r = send("POST", &gw.url("/underscores"), &headers, "x").await;
+        assert_eq!(r.status, 201);
+        let seen = upstream.last_headers();
+        for (name, value) in underscored {
+            assert_eq!(seen[name], value, "{name}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn responses_use_the_clients_http_version() {
     // An upstream that answers in HTTP/1.0, as some small servers do.
     let (addr, upstream) = pausing_upstream(

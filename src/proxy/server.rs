@@ -241,7 +241,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         Arc::clone(&metrics),
         builder,
         Arc::clone(&connections),
-        limits,
+        FrontConfig {
+            limits,
+            underscores_in_headers: settings.underscores_in_headers,
+        },
         stop_rx,
     );
     tokio::select! {
@@ -378,13 +381,17 @@ async fn accept_loop<S, B>(
     metrics: Arc<Metrics>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Semaphore>,
-    limits: Limits,
+    config: FrontConfig,
     stop: watch::Receiver<bool>,
 ) where
     S: ConnectionService<B>,
     B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let FrontConfig {
+        limits,
+        underscores_in_headers,
+    } = config;
     loop {
         // At the limit, stop accepting until a connection closes; the kernel's backlog holds
         // the rest.
@@ -406,6 +413,7 @@ async fn accept_loop<S, B>(
             peer,
             metrics: Arc::clone(&metrics),
             limits,
+            underscores_in_headers,
             activity: Arc::new(Activity::default()),
         };
         let builder = builder.clone();
@@ -418,6 +426,14 @@ async fn accept_loop<S, B>(
             drop(permit);
         });
     }
+}
+
+/// What every client connection's front service is configured with.
+#[derive(Clone, Copy)]
+struct FrontConfig {
+    limits: Limits,
+    /// Forward request fields whose names contain `_`.
+    underscores_in_headers: bool,
 }
 
 /// hyper serving a client connection the gateway's own loop handed over.
@@ -583,8 +599,9 @@ async fn serve_connection<S, B>(
     }
 }
 
-/// The outermost per-connection service: refuses a request over the header limits or framed
-/// with a transfer coding it cannot forward, and logs and counts what the layer decided.
+/// The outermost per-connection service: refuses a request it will not forward (see
+/// [`refusal`]), drops request fields whose names contain `_` (unless configured not to),
+/// and logs and counts what the layer decided.
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
@@ -592,6 +609,8 @@ struct Front<S> {
     peer: SocketAddr,
     metrics: Arc<Metrics>,
     limits: Limits,
+    /// Forward request fields whose names contain `_` (see [`drop_underscored_fields`]).
+    underscores_in_headers: bool,
     /// The connection's activity, for the watchdog.
     activity: Arc<Activity>,
 }
@@ -709,6 +728,25 @@ fn malformed_target_or_host<B>(req: &Request<B>) -> Option<Problem> {
     None
 }
 
+/// Removes the request fields whose names contain `_`, before the layer or the upstream sees
+/// them, as nginx does by default (`underscores_in_headers off`). Many upstreams (CGI, and
+/// the frameworks that follow its naming: PHP, Rack, WSGI) read `X-Forwarded-For` and
+/// `X_Forwarded_For` alike as `HTTP_X_FORWARDED_FOR`, and some take `Transfer_Encoding` or
+/// `Content_Length` for the framing fields: a client could pass a field the gateway sets
+/// (or frames by) under a name it does not recognise.
+fn drop_underscored_fields(headers: &mut http::HeaderMap) {
+    // Nearly every request has none: one look at each name.
+    let underscored = |name: &http::HeaderName| name.as_str().as_bytes().contains(&b'_');
+    if !headers.keys().any(underscored) {
+        return;
+    }
+    let names: Vec<http::HeaderName> = headers.keys().filter(|n| underscored(n)).cloned().collect();
+    tracing::debug!(fields = ?names, "request fields with '_' in their names dropped");
+    for name in names {
+        headers.remove(name);
+    }
+}
+
 /// `501 unsupported-transfer-coding` for a request whose `Transfer-Encoding` is anything but
 /// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
 /// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
@@ -730,8 +768,11 @@ where
     type Error = Infallible;
     type Future = FrontFuture<S::Future, B>;
 
-    fn call(&self, req: Request<RB>) -> Self::Future {
+    fn call(&self, mut req: Request<RB>) -> Self::Future {
         let refused = refusal(&req, &self.limits);
+        if !self.underscores_in_headers {
+            drop_underscored_fields(req.headers_mut());
+        }
         let log = RequestLog {
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
@@ -1044,6 +1085,30 @@ mod tests {
         );
         assert_eq!(refused(req(http::Method::OPTIONS, "*")), None);
         assert_eq!(refused(req(http::Method::POST, "/v1")), None);
+    }
+
+    #[test]
+    fn fields_with_underscores_are_dropped_and_the_others_kept() {
+        let mut headers = http::HeaderMap::new();
+        for (name, value) in [
+            ("host", "x"),
+            ("transfer_encoding", "chunked"),
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x_forwarded_for", "6.6.6.6"),
+            ("x_forwarded_for", "7.7.7.7"),
+            ("content_length", "5"),
+            ("x-api-key", "k"),
+        ] {
+            headers.append(
+                http::HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        drop_underscored_fields(&mut headers);
+        let mut names: Vec<&str> = headers.keys().map(http::HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["host", "x-api-key", "x-forwarded-for"]);
+        assert_eq!(headers["x-forwarded-for"], "10.0.0.1");
     }
 
     #[test]

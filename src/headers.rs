@@ -96,6 +96,19 @@ pub(crate) fn list_elements<'a>(
         .filter(|element| !element.is_empty())
 }
 
+/// Whether a message's `Transfer-Encoding` is `chunked` alone (RFC 9112 §6.1): the only
+/// transfer coding the proxy reads or forwards, on requests and upstream responses alike. The
+/// HTTP layer takes the chunked framing off; any coding under it (`gzip, chunked`), or one
+/// instead of it, would be left on a body passed on as if it were plain.
+#[cfg(feature = "proxy")]
+pub(crate) fn chunked_alone(headers: &HeaderMap) -> bool {
+    let mut codings = list_elements(headers, &TRANSFER_ENCODING);
+    codings
+        .next()
+        .is_some_and(|coding| coding.eq_ignore_ascii_case(b"chunked"))
+        && codings.next().is_none()
+}
+
 /// Whether `Connection` says `close`. A value that is not text counts as saying it.
 #[cfg(feature = "proxy")]
 pub(crate) fn asks_to_close(headers: &HeaderMap) -> bool {

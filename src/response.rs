@@ -14,6 +14,8 @@
 //! | `request-too-large` | 413 | the body of a keyed request is over `max_request_bytes` |
 //! | `headers-too-large` | 431 | (proxy) more header fields than `max_headers`, or a header block over `max_header_bytes` |
 //! | `unsupported-transfer-coding` | 501 | (proxy) a request body sent with a transfer coding other than `chunked` alone (`Transfer-Encoding: gzip, chunked`); nothing forwarded |
+//! | `malformed-request` | 400 | (proxy) an HTTP/1.1 request without a `Host` field, any request with more than one or with one that is not `host[:port]`, an HTTP/2 request whose `Host` differs from its `:authority`, or a `*` target with a method other than `OPTIONS`; nothing forwarded |
+//! | `unsupported-method` | 501 | (proxy) `CONNECT`: the gateway is a reverse proxy and opens no tunnels; nothing forwarded |
 //! | `key-mismatch` | 422 (configurable) | the key was used before with a different request |
 //! | `request-in-flight` | 409 + `Retry-After` | the same request is running now |
 //! | `response-not-replayable` | 409 | the request ran, but its response was over `max_response_bytes` and was not kept |
@@ -67,6 +69,10 @@ pub enum ProblemKind {
     HeadersTooLarge,
     /// `501 unsupported-transfer-coding` (proxy).
     UnsupportedTransferCoding,
+    /// `400 malformed-request` (proxy).
+    MalformedRequest,
+    /// `501 unsupported-method` (proxy).
+    UnsupportedMethod,
     /// `422 key-mismatch` (status configurable per route).
     KeyMismatch,
     /// `409 request-in-flight`.
@@ -107,6 +113,8 @@ impl ProblemKind {
             ProblemKind::RequestTooLarge => "request-too-large",
             ProblemKind::HeadersTooLarge => "headers-too-large",
             ProblemKind::UnsupportedTransferCoding => "unsupported-transfer-coding",
+            ProblemKind::MalformedRequest => "malformed-request",
+            ProblemKind::UnsupportedMethod => "unsupported-method",
             ProblemKind::KeyMismatch => "key-mismatch",
             ProblemKind::RequestInFlight => "request-in-flight",
             ProblemKind::ResponseNotReplayable => "response-not-replayable",
@@ -133,6 +141,8 @@ impl ProblemKind {
             ProblemKind::RequestTooLarge => "Request body too large for an idempotent request",
             ProblemKind::HeadersTooLarge => "Request header fields too large",
             ProblemKind::UnsupportedTransferCoding => "Transfer coding not supported",
+            ProblemKind::MalformedRequest => "Malformed request",
+            ProblemKind::UnsupportedMethod => "Method not supported",
             ProblemKind::KeyMismatch => "Idempotency key reused with a different request",
             ProblemKind::RequestInFlight => "A request with this idempotency key is in progress",
             ProblemKind::ResponseNotReplayable => "Original response too large to replay",
@@ -156,6 +166,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey
             | ProblemKind::MissingKey
             | ProblemKind::RequestBodyError
+            | ProblemKind::MalformedRequest
             | ProblemKind::BadRequest => StatusCode::BAD_REQUEST,
             ProblemKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ProblemKind::NotFound | ProblemKind::RecordNotFound => StatusCode::NOT_FOUND,
@@ -174,7 +185,9 @@ impl ProblemKind {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            ProblemKind::UnsupportedTransferCoding => StatusCode::NOT_IMPLEMENTED,
+            ProblemKind::UnsupportedTransferCoding | ProblemKind::UnsupportedMethod => {
+                StatusCode::NOT_IMPLEMENTED
+            }
         }
     }
 }
@@ -261,6 +274,26 @@ impl Problem {
         Self::new(
             ProblemKind::UnsupportedTransferCoding,
             "only the chunked transfer coding is accepted; nothing was forwarded",
+        )
+    }
+
+    /// `400 malformed-request`: a request the proxy will not forward as it came (RFC 9112
+    /// §3.2: no `Host` in an HTTP/1.1 request, more than one, or one that is not
+    /// `host[:port]`), with what is wrong.
+    pub fn malformed_request(detail: &'static str) -> Self {
+        Self::new(
+            ProblemKind::MalformedRequest,
+            format!("{detail}; nothing was forwarded"),
+        )
+    }
+
+    /// `501 unsupported-method`: `CONNECT`, a tunnel, which a reverse proxy does not open.
+    pub fn unsupported_method(method: &Method) -> Self {
+        Self::new(
+            ProblemKind::UnsupportedMethod,
+            format!(
+                "{method} asks for a tunnel, which this reverse proxy does not open; nothing was forwarded"
+            ),
         )
     }
 
@@ -665,6 +698,9 @@ mod tests {
             ProblemKind::RequestBodyError,
             ProblemKind::RequestTooLarge,
             ProblemKind::HeadersTooLarge,
+            ProblemKind::UnsupportedTransferCoding,
+            ProblemKind::MalformedRequest,
+            ProblemKind::UnsupportedMethod,
             ProblemKind::KeyMismatch,
             ProblemKind::RequestInFlight,
             ProblemKind::ResponseNotReplayable,

@@ -1004,6 +1004,170 @@ async fn hop_by_hop_and_forged_replay_headers_never_cross() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn connect_is_refused_and_options_star_goes_upstream_in_asterisk_form() {
+    let s = setup().await;
+    // CONNECT asks for a tunnel, which a reverse proxy does not open: refused, whichever
+    // target form it comes in, and nothing is forwarded.
+    for request in [
+        &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nConnection: close\r\n\r\n"
+            [..],
+        b"CONNECT / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    ] {
+        let answer = raw(s.gw.addr, request).await;
+        assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+        assert!(
+            answer.contains("urn:idemgate:problem:unsupported-method"),
+            "{answer}"
+        );
+    }
+    assert_eq!(s.upstream.total_hits(), 0, "a CONNECT was forwarded");
+    // OPTIONS * is about the server as a whole: it goes upstream as OPTIONS *, not as a
+    // request for the resource /*.
+    let answer = raw(
+        s.gw.addr,
+        b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert_eq!(s.upstream.hits("/*"), 0, "OPTIONS * went upstream as /*");
+    assert_eq!(s.upstream.hits("*"), 1);
+    // An asterisk target with any other method is not a request for anything.
+    let answer = raw(
+        s.gw.addr,
+        b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(s.upstream.total_hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_without_exactly_one_valid_host_is_a_400_and_not_forwarded() {
+    use tokio::io::AsyncWriteExt;
+    let s = setup().await;
+    let refused: [(&str, &str); 4] = [
+        ("/no-host", ""),
+        ("/two-hosts", "Host: a.example\r\nHost: b.example\r\n"),
+        ("/two-hosts-mixed", "host: a.example\r\nHOST: a.example\r\n"),
+        ("/bad-host", "Host: user@a.example\r\n"),
+    ];
+    for (path, hosts) in refused {
+        // Served by the gateway's own HTTP/1.1 loop (a plain keep-alive request) and by hyper
+        // (Connection: close hands the connection over).
+        let request = format!(
+            "POST {path} HTTP/1.1\r\n{hosts}Idempotency-Key: k{path}\r\nContent-Length: 1\r\n\r\nx"
+        );
+        let mut stream = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let head = read_response(&mut stream).await;
+        assert!(
+            head.starts_with("HTTP/1.1 400"),
+            "{path} (own loop): {head}"
+        );
+        let request = format!(
+            "POST {path} HTTP/1.1\r\n{hosts}Idempotency-Key: k{path}\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx"
+        );
+        let answer = raw(s.gw.addr, request.as_bytes()).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{path} (hyper): {answer}"
+        );
+        assert!(
+            answer.contains("urn:idemgate:problem:malformed-request"),
+            "{path}: {answer}"
+        );
+        assert_eq!(s.upstream.hits(path), 0, "{path} was forwarded");
+    }
+    // HTTP/1.0 needs no Host; an empty one is valid (a target without an authority); h2c
+    // carries the authority in :authority.
+    let answer = raw(
+        s.gw.addr,
+        b"POST /http10 HTTP/1.0\r\nContent-Length: 1\r\n\r\nx",
+    )
+    .await;
+    assert!(
+        answer.starts_with("HTTP/1.1 201") || answer.starts_with("HTTP/1.0 201"),
+        "{answer}"
+    );
+    let answer = raw(
+        s.gw.addr,
+        b"POST /empty-host HTTP/1.1\r\nHost:\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert_eq!(
+        send_h2c("POST", &s.gw.url("/h2-host"), &[], "x")
+            .await
+            .status,
+        201
+    );
+    let counted = eventually(100, || async {
+        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
+        text.contains("\nidemgate_unrouted_requests_total{reason=\"malformed\"} 8\n")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        counted.is_some(),
+        "{}",
+        admin_get(&s.gw, "/metrics", &[]).await.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn request_fields_with_underscores_are_dropped_unless_configured_to_pass() {
+    // Names a CGI-style upstream reads as the framing and forwarding fields.
+    let underscored = [
+        ("transfer_encoding", "chunked"),
+        ("content_length", "999"),
+        ("x_forwarded_for", "6.6.6.6"),
+        ("x_api_key", "k"),
+    ];
+    let s = setup().await;
+    let mut headers = underscored.to_vec();
+    headers.push(("x-kept", "1"));
+    // Over HTTP/1.1 (the gateway's own loop) and h2c (hyper).
+    for h2 in [false, true] {
+        let url = s.gw.url("/underscores");
+        let r = if h2 {
+            send_h2c("POST", &url, &headers, "x").await
+        } else {
+            send("POST", &url, &headers, "x").await
+        };
+        assert_eq!(r.status, 201, "h2c: {h2}");
+        let seen = s.upstream.last_headers();
+        for (name, _) in underscored {
+            assert!(
+                !seen.contains_key(name),
+                "h2c {h2}: {name} was forwarded: {seen:?}"
+            );
+        }
+        assert_eq!(seen["x-kept"], "1");
+        assert_eq!(seen["x-forwarded-for"], "127.0.0.1", "h2c: {h2}");
+        assert_eq!(seen["content-length"], "1", "h2c: {h2}");
+    }
+    // Kept when the file or the flag says so.
+    let file = setup_with("underscores_in_headers = true").await;
+    let flag_dir = TempDir::new();
+    let flag_upstream = TestUpstream::start().await;
+    let flag = Gateway::start_configured(
+        &flag_dir,
+        &flag_upstream,
+        "memory",
+        "",
+        &["--underscores-in-headers"],
+    );
+    for (gw, upstream) in [(&file.gw, &file.upstream), (&flag, &flag_upstream)] {
+        let r = send("POST", &gw.url("/underscores"), &headers, "x").await;
+        assert_eq!(r.status, 201);
+        let seen = upstream.last_headers();
+        for (name, value) in underscored {
+            assert_eq!(seen[name], value, "{name}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn responses_use_the_clients_http_version() {
     // An upstream that answers in HTTP/1.0, as some small servers do.
     let (addr, upstream) = pausing_upstream(
@@ -1271,6 +1435,83 @@ async fn a_response_body_that_stops_coming_is_cut_after_the_upstream_timeout() {
     assert!(streamed.ends_with("\r\n\r\nfirst"), "{streamed}");
     assert!(started.elapsed() < Duration::from_secs(9), "not cut");
     upstream.abort();
+}
+
+/// Sends a keyed `POST` twice to a gateway in front of an upstream that answers every request
+/// with `first`, then after `pause` with `rest`; answers both of the gateway's answers.
+async fn keyed_twice_through(
+    first: &'static [u8],
+    pause: Duration,
+    rest: &'static [u8],
+    key: &str,
+) -> (String, String) {
+    let (addr, upstream) = pausing_upstream(first, pause, rest).await;
+    let dir = TempDir::new();
+    let gw = Gateway::start(&["--config", &config(&dir, &format!("http://{addr}"), "")]);
+    let request = format!(
+        "POST /malformed HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx"
+    );
+    let answer = raw(gw.addr, request.as_bytes()).await;
+    let retry = raw(gw.addr, request.as_bytes()).await;
+    upstream.abort();
+    (answer, retry)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_head_over_64_kib_is_a_502_and_never_stored_even_when_one_read_completes_it() {
+    // The head comes in two writes: 60 000 bytes (under the limit, so reading goes on), then
+    // 10 000 more that complete it in one read, at 70 KB in all.
+    static FIRST: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        let mut head = b"HTTP/1.1 201 Created\r\nx-big: ".to_vec();
+        head.resize(60_000, b'a');
+        head
+    });
+    static REST: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        let mut rest = b"\r\nx-more: ".to_vec();
+        rest.resize(10_000, b'b');
+        rest.extend_from_slice(b"\r\nContent-Length: 6\r\n\r\nstored");
+        rest
+    });
+    let (answer, retry) =
+        keyed_twice_through(&FIRST, Duration::from_millis(300), &REST, "k-big-head").await;
+    assert!(
+        answer.starts_with("HTTP/1.1 502"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(
+        answer.contains("application/problem+json"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert!(
+        !retry.contains("stored") && !retry.to_ascii_lowercase().contains("idempotent-replayed"),
+        "the over-limit response was stored and replayed: {}",
+        &retry[..retry.len().min(300)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_response_with_a_transfer_coding_other_than_chunked_is_a_502_and_never_stored()
+{
+    for (coded, key) in [
+        (
+            &b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip, chunked\r\n\r\n6\r\nstored\r\n0\r\n\r\n"[..],
+            "k-te-gzip-chunked",
+        ),
+        (
+            &b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip\r\n\r\nstored"[..],
+            "k-te-gzip",
+        ),
+    ] {
+        let (answer, retry) = keyed_twice_through(coded, Duration::ZERO, b"", key).await;
+        assert!(answer.starts_with("HTTP/1.1 502"), "{key}: {answer}");
+        assert!(answer.contains("application/problem+json"), "{key}: {answer}");
+        assert!(
+            !retry.contains("stored") && !retry.to_ascii_lowercase().contains("idempotent-replayed"),
+            "{key}: the coded response was stored and replayed: {retry}"
+        );
+    }
 }
 
 /// An upstream on 127.0.0.1 that answers each request with `first`, waits `pause`, then

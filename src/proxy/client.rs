@@ -8,8 +8,8 @@
 //! if the response allows it.
 //!
 //! Parsing is strict: anything this module does not understand for certain (a malformed head
-//! or chunk, conflicting lengths, more than [`MAX_HEADERS`] fields, a head over
-//! [`MAX_HEAD_BYTES`]) is an error, and the connection is closed rather than reused. Interim
+//! or chunk, conflicting lengths, a transfer coding other than `chunked` alone, more than
+//! [`MAX_HEADERS`] fields, a head over [`MAX_HEAD_BYTES`]) is an error, and the connection is closed rather than reused. Interim
 //! `1xx` responses are skipped. Chunked trailers are read and dropped.
 
 use std::collections::VecDeque;
@@ -543,9 +543,6 @@ where
             }
             return Ok(head);
         }
-        if buf.len() > MAX_HEAD_BYTES {
-            return Err(ClientError::Malformed("response head too large"));
-        }
         buf.reserve(READ_CHUNK);
         if io.read_buf(buf).await? == 0 {
             return Err(ClientError::Closed);
@@ -665,9 +662,12 @@ fn parse_head(
         buf,
         &mut fields,
     );
+    // The limit holds for a head however it arrived: one that the last read completed past it
+    // is refused like one still growing past it.
     let len = match parsed {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Ok(None),
+        Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD_BYTES => len,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD_BYTES => return Ok(None),
+        Ok(_) => return Err(ClientError::Malformed("response head too large")),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(ClientError::Malformed("too many header fields"));
         }
@@ -767,17 +767,14 @@ fn framing(
         return Ok(Framing::Empty);
     }
     if present.transfer_encoding {
-        let values = headers.get_all(TRANSFER_ENCODING);
-        if values.iter().any(|value| value.to_str().is_err()) {
-            return Err(ClientError::Malformed("bad Transfer-Encoding"));
+        // Any other coding (`gzip, chunked`, `gzip`) would be passed on, and kept, as if the
+        // body were plain: the response is refused like any head this client cannot read.
+        if !crate::headers::chunked_alone(headers) {
+            return Err(ClientError::Malformed(
+                "a transfer coding other than chunked alone",
+            ));
         }
-        return Ok(
-            match crate::headers::list_elements(headers, &TRANSFER_ENCODING).last() {
-                Some(coding) if coding.eq_ignore_ascii_case(b"chunked") => Framing::Chunked,
-                // Another final coding: the body runs to the end of the connection.
-                _ => Framing::UntilClose,
-            },
-        );
+        return Ok(Framing::Chunked);
     }
     // Looked up only when the head has one.
     if !present.content_length {
@@ -993,62 +990,86 @@ impl BodyReader {
                     let all = connection.read.len();
                     return Poll::Ready(Some(Ok(connection.read.split_to(all).freeze())));
                 }
-                BodyState::ChunkSize => match chunk_size(&mut connection.read) {
-                    Ok(Some(0)) => self.state = BodyState::Trailers(0),
-                    Ok(Some(n)) => self.state = BodyState::ChunkData(n),
-                    Ok(None) => {
-                        if let Err(error) = ready!(connection.poll_fill(cx)) {
-                            return Poll::Ready(Some(Err(error)));
+                BodyState::ChunkSize
+                | BodyState::ChunkData(_)
+                | BodyState::ChunkEnd
+                | BodyState::Trailers(_) => {
+                    match chunked_step(&mut self.state, &mut connection.read) {
+                        Ok(Chunked::Data(data)) => return Poll::Ready(Some(Ok(data))),
+                        Ok(Chunked::Next) => {}
+                        Ok(Chunked::More) => {
+                            if let Err(error) = ready!(connection.poll_fill(cx)) {
+                                return Poll::Ready(Some(Err(error)));
+                            }
                         }
+                        Err(error) => return Poll::Ready(Some(Err(error))),
                     }
-                    Err(error) => return Poll::Ready(Some(Err(error))),
-                },
-                BodyState::ChunkData(left) => {
-                    let data = ready!(connection.poll_take(cx, left));
-                    if *left == 0 {
-                        self.state = BodyState::ChunkEnd;
-                    }
-                    return Poll::Ready(Some(data));
                 }
-                BodyState::ChunkEnd => {
-                    if connection.read.len() < 2 {
-                        if let Err(error) = ready!(connection.poll_fill(cx)) {
-                            return Poll::Ready(Some(Err(error)));
-                        }
-                        continue;
-                    }
-                    if &connection.read[..2] != b"\r\n" {
-                        return Poll::Ready(Some(Err(ClientError::Malformed(
-                            "a chunk without its CRLF",
-                        ))));
-                    }
-                    connection.read.advance(2);
-                    self.state = BodyState::ChunkSize;
-                }
-                BodyState::Trailers(seen) => match trailer_line(&mut connection.read) {
-                    Some(0) => self.state = BodyState::Done,
-                    Some(line) => {
-                        *seen += line;
-                        if *seen > MAX_HEAD_BYTES {
-                            return Poll::Ready(Some(Err(ClientError::Malformed(
-                                "trailers too large",
-                            ))));
-                        }
-                    }
-                    None if connection.read.len() > MAX_HEAD_BYTES => {
-                        return Poll::Ready(Some(Err(ClientError::Malformed(
-                            "trailers too large",
-                        ))));
-                    }
-                    None => {
-                        if let Err(error) = ready!(connection.poll_fill(cx)) {
-                            return Poll::Ready(Some(Err(error)));
-                        }
-                    }
-                },
             }
         }
     }
+}
+
+/// What one step of the chunked decoder did with the bytes read so far.
+#[derive(Debug)]
+enum Chunked {
+    /// Body bytes, taken off the buffer.
+    Data(Bytes),
+    /// Framing taken off the buffer; the state moved on (to [`BodyState::Done`] at the end).
+    Next,
+    /// Nothing can be taken until more is read.
+    More,
+}
+
+/// One step of decoding a chunked body in `state` from the front of `read`: the decoder
+/// itself, apart from any socket, so that it can be fed bytes split anywhere. Strict: a
+/// malformed size line, a chunk without its CRLF, or trailers over [`MAX_HEAD_BYTES`] are
+/// errors. Trailer fields are read and dropped.
+fn chunked_step(state: &mut BodyState, read: &mut BytesMut) -> Result<Chunked, ClientError> {
+    match state {
+        BodyState::ChunkSize => match chunk_size(read)? {
+            Some(0) => *state = BodyState::Trailers(0),
+            Some(n) => *state = BodyState::ChunkData(n),
+            None => return Ok(Chunked::More),
+        },
+        BodyState::ChunkData(left) => {
+            if read.is_empty() {
+                return Ok(Chunked::More);
+            }
+            let n = (*left).min(read.len() as u64) as usize;
+            *left -= n as u64;
+            if *left == 0 {
+                *state = BodyState::ChunkEnd;
+            }
+            return Ok(Chunked::Data(read.split_to(n).freeze()));
+        }
+        BodyState::ChunkEnd => {
+            if read.len() < 2 {
+                return Ok(Chunked::More);
+            }
+            if &read[..2] != b"\r\n" {
+                return Err(ClientError::Malformed("a chunk without its CRLF"));
+            }
+            read.advance(2);
+            *state = BodyState::ChunkSize;
+        }
+        BodyState::Trailers(seen) => match trailer_line(read) {
+            Some(0) => *state = BodyState::Done,
+            Some(line) => {
+                *seen += line;
+                if *seen > MAX_HEAD_BYTES {
+                    return Err(ClientError::Malformed("trailers too large"));
+                }
+            }
+            None if read.len() > MAX_HEAD_BYTES => {
+                return Err(ClientError::Malformed("trailers too large"));
+            }
+            None => return Ok(Chunked::More),
+        },
+        // Not a chunked body's state: nothing to take.
+        BodyState::Length(_) | BodyState::UntilClose | BodyState::Done => {}
+    }
+    Ok(Chunked::Next)
 }
 
 /// Where the first CRLF in `buf` starts.
@@ -1391,14 +1412,11 @@ pub(super) mod tests {
 
     #[tokio::test]
     async fn a_body_delimited_by_close_is_read_to_the_end_and_not_reused() {
-        for answer in [
-            &b"HTTP/1.1 200 OK\r\n\r\nall of it"[..],
-            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nall of it"[..],
-        ] {
-            let mut reader = exchange(answer, Method::GET).await.unwrap();
-            assert_eq!(read_all(&mut reader).await.unwrap(), b"all of it");
-            assert!(reader.take_reusable().is_none());
-        }
+        let mut reader = exchange(b"HTTP/1.1 200 OK\r\n\r\nall of it", Method::GET)
+            .await
+            .unwrap();
+        assert_eq!(read_all(&mut reader).await.unwrap(), b"all of it");
+        assert!(reader.take_reusable().is_none());
     }
 
     #[tokio::test]
@@ -1439,6 +1457,13 @@ pub(super) mod tests {
             &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"[..],
             &b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"[..],
             &b"HTTP/1.1 101 Switching Protocols\r\n\r\n"[..],
+            // Transfer codings other than chunked alone: the body would pass as plain.
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nall of it"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\nok"[..],
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: ,\r\n\r\nok"[..],
             many,
             huge,
         ] {
@@ -1449,6 +1474,39 @@ pub(super) mod tests {
                 String::from_utf8_lossy(&answer[..answer.len().min(60)])
             );
         }
+    }
+
+    #[test]
+    fn a_head_over_the_limit_is_refused_when_complete_too() {
+        // As when the read that completes a head takes it past the limit: 60 000 bytes in
+        // the buffer, then 10 000 more with its end.
+        let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
+        head.resize(MAX_HEAD_BYTES + 5_000, b'a');
+        head.extend_from_slice(b"\r\nContent-Length: 2\r\n\r\nok");
+        let mut buf = BytesMut::from(&head[..]);
+        let parsed = parse_head(&mut buf, &mut Vec::new(), &Method::GET);
+        assert!(
+            matches!(
+                parsed,
+                Err(ClientError::Malformed("response head too large"))
+            ),
+            "{parsed:?}"
+        );
+        // Exactly at the limit is still a head.
+        let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
+        head.resize(MAX_HEAD_BYTES - 4, b'a');
+        head.extend_from_slice(b"\r\n\r\n");
+        assert_eq!(head.len(), MAX_HEAD_BYTES);
+        let mut buf = BytesMut::from(&head[..]);
+        let parsed = parse_head(&mut buf, &mut Vec::new(), &Method::GET);
+        assert!(matches!(parsed, Ok(Some(_))), "{parsed:?}");
+        // One byte short of the end at the limit cannot become a head within it.
+        let mut buf = BytesMut::from(&head[..MAX_HEAD_BYTES - 1]);
+        assert!(parse_head(&mut buf, &mut Vec::new(), &Method::GET).is_ok());
+        let mut over = head[..MAX_HEAD_BYTES - 2].to_vec();
+        over.extend_from_slice(b"aa");
+        let mut buf = BytesMut::from(&over[..]);
+        assert!(parse_head(&mut buf, &mut Vec::new(), &Method::GET).is_err());
     }
 
     #[tokio::test]
@@ -1933,5 +1991,267 @@ pub(super) mod tests {
             }
         }
         assert!(closed, "a closed connection still looks usable after 2 s");
+    }
+
+    /// Property tests of the parsers that read the upstream's bytes: the chunked decoder and
+    /// the response head parser.
+    mod properties {
+        use proptest::prelude::*;
+        use proptest::sample::select;
+
+        use super::*;
+
+        /// Feeds `input` to the chunked decoder in pieces cut at `cuts` (positions, any
+        /// order), as reads would hand them over. Answers the body, what was left after its
+        /// end (`None` if it never ended), or the decoder's error. Bounded: every step must
+        /// take bytes, move the state on or ask for more.
+        fn decode(input: &[u8], cuts: &[usize]) -> Result<(Vec<u8>, Option<Vec<u8>>), ClientError> {
+            let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(input.len())).collect();
+            cuts.push(input.len());
+            cuts.sort_unstable();
+            let mut pieces = cuts.iter().scan(0, |from, &to| {
+                let piece = &input[*from..to];
+                *from = to;
+                Some(piece)
+            });
+            let mut state = BodyState::ChunkSize;
+            let mut read = BytesMut::new();
+            let mut body = Vec::new();
+            for _ in 0..4 * input.len() + 64 {
+                if matches!(state, BodyState::Done) {
+                    return Ok((body, Some(read.to_vec())));
+                }
+                match chunked_step(&mut state, &mut read)? {
+                    Chunked::Data(data) => {
+                        assert!(!data.is_empty(), "an empty piece of body");
+                        body.extend_from_slice(&data);
+                    }
+                    Chunked::Next => {}
+                    Chunked::More => match pieces.next() {
+                        Some(piece) => read.extend_from_slice(piece),
+                        None => return Ok((body, None)),
+                    },
+                }
+            }
+            panic!("the decoder made no progress on {input:?}");
+        }
+
+        /// A chunked encoding of `body`, cut into chunks at `cuts`, each size line written as
+        /// `style` says, then the last chunk, `trailers`, and `after` (the next response).
+        fn encode(
+            body: &[u8],
+            cuts: &[usize],
+            style: (bool, usize, bool),
+            trailers: &[&str],
+            after: &[u8],
+        ) -> Vec<u8> {
+            let (upper, zeros, extension) = style;
+            let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(body.len())).collect();
+            cuts.push(body.len());
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut out = Vec::new();
+            let mut from = 0;
+            for to in cuts {
+                if to == from {
+                    continue;
+                }
+                let size = format!("{:0width$x}", to - from, width = zeros + 1);
+                let size = if upper { size.to_uppercase() } else { size };
+                out.extend_from_slice(size.as_bytes());
+                if extension {
+                    out.extend_from_slice(b" ;name=\"v;x\"");
+                }
+                out.extend_from_slice(b"\r\n");
+                out.extend_from_slice(&body[from..to]);
+                out.extend_from_slice(b"\r\n");
+                from = to;
+            }
+            out.extend_from_slice(b"0\r\n");
+            for trailer in trailers {
+                out.extend_from_slice(trailer.as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(after);
+            out
+        }
+
+        fn cuts() -> impl Strategy<Value = Vec<usize>> {
+            prop::collection::vec(0usize..600, 0..12)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn a_body_chunked_and_read_in_any_pieces_decodes_to_itself(
+                body in prop::collection::vec(any::<u8>(), 0..400),
+                chunks in cuts(),
+                reads in cuts(),
+                style in (any::<bool>(), 0usize..4, any::<bool>()),
+                trailers in prop::collection::vec(select(vec!["x-sum: 1", "X-Other: a, b", "t:"]), 0..3),
+                after in prop::collection::vec(any::<u8>(), 0..20),
+            ) {
+                let input = encode(&body, &chunks, style, &trailers, &after);
+                let (decoded, rest) = decode(&input, &reads).unwrap();
+                prop_assert_eq!(decoded, body);
+                // The decoder stops at the body's end: what follows is left for the next read.
+                let rest = rest.expect("the body ended");
+                prop_assert!(after.starts_with(&rest));
+            }
+
+            #[test]
+            fn random_bytes_never_panic_the_decoder(
+                input in prop::collection::vec(any::<u8>(), 0..300),
+                reads in cuts(),
+            ) {
+                let _ = decode(&input, &reads);
+            }
+
+            #[test]
+            fn a_mutated_chunked_body_never_panics_and_never_decodes_longer(
+                body in prop::collection::vec(any::<u8>(), 1..200),
+                chunks in cuts(),
+                reads in cuts(),
+                at in any::<prop::sample::Index>(),
+                byte in select(vec![b'0', b'f', b'F', b'\r', b'\n', b';', b' ', b'x', 0xff]),
+                how in 0..3u8,
+            ) {
+                let mut input = encode(&body, &chunks, (false, 0, false), &[], b"");
+                let i = at.index(input.len());
+                match how {
+                    0 => input[i] = byte,
+                    1 => input.insert(i, byte),
+                    _ => { input.remove(i); }
+                }
+                if let Ok((decoded, _)) = decode(&input, &reads) {
+                    // A changed size can move the body's end, never past what was sent.
+                    prop_assert!(decoded.len() <= input.len());
+                }
+            }
+        }
+
+        /// The framing RFC 9112 §6.3 gives a response with `fields` to a GET, as this client
+        /// reads it (strict: any transfer coding but chunked alone, or lengths that are not
+        /// all the same number, are malformed); `None` for malformed.
+        fn expected_framing(status: u16, fields: &[(&str, &str)]) -> Option<Framing> {
+            let values = |name: &'static str| {
+                fields
+                    .iter()
+                    .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| *v)
+            };
+            if (100..200).contains(&status) || status == 204 || status == 304 {
+                return Some(Framing::Empty);
+            }
+            if values("transfer-encoding").next().is_some() {
+                let codings: Vec<String> = values("transfer-encoding")
+                    .flat_map(|v| v.split(','))
+                    .map(|c| c.trim().to_ascii_lowercase())
+                    .filter(|c| !c.is_empty())
+                    .collect();
+                return (codings == ["chunked"]).then_some(Framing::Chunked);
+            }
+            let mut length = None;
+            for part in values("content-length").flat_map(|v| v.split(',')) {
+                let part = part.trim();
+                if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                let n: u64 = part.parse().ok()?;
+                if length.is_some_and(|seen| seen != n) {
+                    return None;
+                }
+                length = Some(n);
+            }
+            Some(match length {
+                Some(0) => Framing::Empty,
+                Some(n) => Framing::Length(n),
+                None => Framing::UntilClose,
+            })
+        }
+
+        fn field() -> impl Strategy<Value = (&'static str, &'static str)> {
+            (
+                select(vec![
+                    "Content-Length",
+                    "content-length",
+                    "Transfer-Encoding",
+                    "transfer-encoding",
+                    "Connection",
+                    "X-A",
+                ]),
+                select(vec![
+                    "0",
+                    "5",
+                    "05",
+                    "+5",
+                    " 5",
+                    "5, 5",
+                    "5, 6",
+                    "-1",
+                    "",
+                    "99999999999999999999",
+                    "chunked",
+                    "Chunked",
+                    "gzip, chunked",
+                    "chunked, gzip",
+                    "identity",
+                    ",",
+                    "close",
+                    "keep-alive",
+                ]),
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn a_response_head_frames_its_body_as_the_rfc_says_or_is_refused(
+                status in select(vec![200u16, 201, 204, 304, 404, 502]),
+                fields in prop::collection::vec(field(), 0..5),
+                after in prop::collection::vec(any::<u8>(), 0..20),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let mut head = format!("HTTP/1.1 {status} X\r\n");
+                for (name, value) in &fields {
+                    head.push_str(&format!("{name}: {value}\r\n"));
+                }
+                head.push_str("\r\n");
+                let mut bytes = head.clone().into_bytes();
+                bytes.extend_from_slice(&after);
+                // Any part of the head is not a head yet.
+                let short = cut.index(head.len());
+                let mut partial = BytesMut::from(&head.as_bytes()[..short]);
+                prop_assert!(matches!(parse_head(&mut partial, &mut Vec::new(), &Method::GET), Ok(None)));
+                let mut buf = BytesMut::from(&bytes[..]);
+                let parsed = parse_head(&mut buf, &mut Vec::new(), &Method::GET);
+                match (parsed, expected_framing(status, &fields)) {
+                    (Ok(Some(parsed)), Some(framing)) => {
+                        prop_assert_eq!(parsed.framing, framing);
+                        prop_assert_eq!(parsed.status.as_u16(), status);
+                        // Exactly the head is taken: the body and what follows stay.
+                        prop_assert_eq!(&buf[..], &after[..]);
+                    }
+                    (Err(ClientError::Malformed(_)), None) => {}
+                    (parsed, expected) => prop_assert!(false, "{head:?}: {parsed:?}, expected {expected:?}"),
+                }
+            }
+
+            #[test]
+            fn random_bytes_never_panic_the_head_parser(
+                bytes in prop::collection::vec(any::<u8>(), 0..300),
+                prefix in select(vec![&b""[..], b"HTTP/1.1 200 OK\r\n", b"HTTP/1.0 1"]),
+            ) {
+                let mut input = prefix.to_vec();
+                input.extend_from_slice(&bytes);
+                let mut buf = BytesMut::from(&input[..]);
+                if let Ok(Some(_)) = parse_head(&mut buf, &mut Vec::new(), &Method::GET) {
+                    prop_assert!(buf.len() < input.len());
+                }
+            }
+        }
     }
 }

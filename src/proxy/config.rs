@@ -140,6 +140,8 @@ pub struct FileConfig {
     pub admin_token: Option<String>,
     /// Name of an environment variable holding the admin token.
     pub admin_token_env: Option<String>,
+    /// Forward request fields whose names contain `_` (dropped by default).
+    pub underscores_in_headers: Option<bool>,
     /// Connection limits.
     pub limits: Option<LimitsFile>,
     /// Routes by path prefix.
@@ -307,6 +309,8 @@ pub struct Overrides {
     pub ttl: Option<String>,
     /// `--admin-token` / `IDEMGATE_ADMIN_TOKEN`.
     pub admin_token: Option<String>,
+    /// `--underscores-in-headers` / `IDEMGATE_UNDERSCORES_IN_HEADERS`.
+    pub underscores_in_headers: Option<bool>,
 }
 
 /// Where records are kept.
@@ -499,6 +503,9 @@ pub struct Settings {
     pub admin_token: Option<String>,
     /// Connection limits.
     pub limits: Limits,
+    /// Whether request fields whose names contain `_` are forwarded; by default they are
+    /// dropped (see `server::drop_underscored_fields`).
+    pub underscores_in_headers: bool,
     /// The policy for paths no route matches.
     pub default_route: RoutePolicy,
     /// Routes by path prefix.
@@ -567,6 +574,9 @@ impl FileConfig {
             self.admin_token_env = None;
         }
         lay(&mut self.admin_token, &o.admin_token);
+        if o.underscores_in_headers.is_some() {
+            self.underscores_in_headers = o.underscores_in_headers;
+        }
         self
     }
 
@@ -724,6 +734,7 @@ impl FileConfig {
             shutdown_grace,
             admin_token,
             limits,
+            underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
             default_route,
             routes,
         })
@@ -1203,6 +1214,25 @@ mod tests {
         assert_eq!(s.listen.port(), 2000);
         assert_eq!(s.upstream.authority.as_str(), "127.0.0.1:1");
         assert_eq!(s.default_route.ttl, Duration::from_secs(7200));
+    }
+
+    #[test]
+    fn underscored_fields_are_dropped_unless_the_file_or_an_override_keeps_them() {
+        let up = "upstream = \"http://127.0.0.1:1\"\n";
+        for (file, flag, kept) in [
+            ("", None, false),
+            ("underscores_in_headers = true", None, true),
+            ("underscores_in_headers = false", Some(true), true),
+            ("underscores_in_headers = true", Some(false), false),
+        ] {
+            let config: FileConfig = toml::from_str(&format!("{up}{file}")).unwrap();
+            let o = Overrides {
+                underscores_in_headers: flag,
+                ..Overrides::default()
+            };
+            let s = config.with_overrides(&o).validate().unwrap();
+            assert_eq!(s.underscores_in_headers, kept, "{file:?} {flag:?}");
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{HOST, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, Uri};
+use http::{Method, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use tower_service::Service;
 
@@ -149,7 +149,7 @@ where
         let shared = &*shared;
         let client_ip = client_ip.as_ref();
         let client_version = parts.version;
-        let Some(target) = upstream_target(&shared.upstream, &parts.uri) else {
+        let Some(target) = upstream_target(&shared.upstream, &parts.method, &parts.uri) else {
             // Only a target that cannot be joined to the base path gets here; nothing was sent.
             return Ok(upstream_failure(UpstreamErrorKind::Unreachable, shared));
         };
@@ -312,8 +312,16 @@ fn problem_response(problem: Problem, failure: UpstreamFailure) -> Response<Prox
 
 /// The request target sent upstream (origin-form): the upstream's base path followed by the
 /// request's path and query. Nothing of the client's target but its path and query is used.
-pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery> {
+/// `OPTIONS *` asks about the server as a whole, not a resource: it goes as `OPTIONS *`
+/// (asterisk-form), whatever the base path. (The front service refuses `*` with any other
+/// method.)
+pub fn upstream_target(upstream: &Upstream, method: &Method, target: &Uri) -> Option<PathAndQuery> {
     match target.path_and_query() {
+        Some(pq)
+            if pq.as_str() == "*" && method == Method::OPTIONS && target.authority().is_none() =>
+        {
+            Some(pq.clone())
+        }
         // The common case, an upstream at its root: the client's path and query as they are
         // (a clone shares their bytes).
         Some(pq) if upstream.base_path.is_empty() && pq.as_str().starts_with('/') => {
@@ -321,7 +329,7 @@ pub fn upstream_target(upstream: &Upstream, target: &Uri) -> Option<PathAndQuery
         }
         pq => {
             let pq = pq.map_or("/", PathAndQuery::as_str);
-            // `*` (OPTIONS) and the like get the `/` a path must start with.
+            // Anything else without a leading `/` gets the `/` a path must start with.
             let slash = if pq.starts_with('/') { "" } else { "/" };
             format!("{}{slash}{pq}", upstream.base_path).parse().ok()
         }
@@ -543,20 +551,21 @@ mod tests {
     fn target_comes_only_from_the_config() {
         let up = upstream("http://127.0.0.1:3000");
         let cases = [
-            ("/pay?x=1", "/pay?x=1"),
-            ("http://evil.test:666/pay?x=1", "/pay?x=1"),
-            ("*", "/*"),
-            ("/", "/"),
+            (Method::POST, "/pay?x=1", "/pay?x=1"),
+            (Method::POST, "http://evil.test:666/pay?x=1", "/pay?x=1"),
+            (Method::OPTIONS, "*", "*"),
+            (Method::GET, "/", "/"),
         ];
-        for (target, want) in cases {
-            let got = upstream_target(&up, &target.parse().unwrap()).unwrap();
+        for (method, target, want) in cases {
+            let got = upstream_target(&up, &method, &target.parse().unwrap()).unwrap();
             assert_eq!(got.as_str(), want, "target {target}");
         }
         let based = upstream("http://127.0.0.1:3000/api/");
-        let got = upstream_target(&based, &"/v1/pay".parse().unwrap()).unwrap();
+        let got = upstream_target(&based, &Method::POST, &"/v1/pay".parse().unwrap()).unwrap();
         assert_eq!(got.as_str(), "/api/v1/pay");
-        let got = upstream_target(&based, &"*".parse().unwrap()).unwrap();
-        assert_eq!(got.as_str(), "/api/*");
+        // The server as a whole, whatever the base path.
+        let got = upstream_target(&based, &Method::OPTIONS, &"*".parse().unwrap()).unwrap();
+        assert_eq!(got.as_str(), "*");
     }
 
     /// The head `forward` writes upstream for a request with `headers` from 192.0.2.7.

@@ -687,4 +687,144 @@ mod tests {
             "HTTP/1.1 304 Not Modified\r\ndate: d\r\ncontent-length: 7\r\n\r\n"
         );
     }
+
+    /// The own request-head parser against httparse read independently: a request it takes
+    /// is the one the bytes say (method, target, version, body framed by its one
+    /// `Content-Length` or none); anything else is left to hyper untouched or awaits more.
+    mod properties {
+        use proptest::prelude::*;
+        use proptest::sample::select;
+
+        use super::*;
+
+        /// How RFC 9112 §6.3 frames the body of the request httparse reads in `bytes`:
+        /// `Some(length)` for a request this loop may serve (no transfer coding, at most one
+        /// `Content-Length` of digits only), `None` for one it must not.
+        fn reference(bytes: &[u8]) -> Option<(String, String, usize, usize)> {
+            let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+            let mut head = httparse::Request::new(&mut fields);
+            let httparse::Status::Complete(len) = head.parse(bytes).ok()? else {
+                return None;
+            };
+            if head.version != Some(1) {
+                return None;
+            }
+            let mut length = None;
+            for field in head.headers.iter() {
+                if field.name.eq_ignore_ascii_case("transfer-encoding") {
+                    return None;
+                }
+                if field.name.eq_ignore_ascii_case("content-length") {
+                    let value = std::str::from_utf8(field.value).ok()?;
+                    if length.is_some()
+                        || value.is_empty()
+                        || !value.bytes().all(|b| b.is_ascii_digit())
+                    {
+                        return None;
+                    }
+                    length = Some(value.parse::<usize>().ok()?);
+                }
+            }
+            Some((
+                head.method?.to_owned(),
+                head.path?.to_owned(),
+                len,
+                length.unwrap_or(0),
+            ))
+        }
+
+        fn field() -> impl Strategy<Value = (&'static str, &'static str)> {
+            (
+                select(vec![
+                    "Host",
+                    "Content-Length",
+                    "content-length",
+                    "CONTENT-LENGTH",
+                    "Transfer-Encoding",
+                    "Connection",
+                    "Expect",
+                    "Upgrade",
+                    "X-A",
+                    "Content-Length ",
+                    "Transfer_Encoding",
+                ]),
+                select(vec![
+                    "0",
+                    "3",
+                    "5",
+                    "05",
+                    "+5",
+                    " 5 ",
+                    "5, 5",
+                    "-1",
+                    "",
+                    "99999999999999999999",
+                    "chunked",
+                    "keep-alive",
+                    "close",
+                    "x y",
+                ]),
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1024, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn a_request_taken_is_the_one_the_bytes_say_and_anything_else_is_left_as_it_came(
+                method in select(vec!["GET", "POST", "PUT", "HEAD", "CONNECT", "OPTIONS", "get", "X-M", "G T", ""]),
+                target in select(vec!["/", "/a?b=1", "*", "http://h/x", "/caf\u{e9}", "//x", "example.com:443", "/a b"]),
+                version in select(vec!["HTTP/1.1", "HTTP/1.0", "HTTP/2.0", "http/1.1", "HTTP/1.1 "]),
+                fields in prop::collection::vec(field(), 0..6),
+                newline in select(vec!["\r\n", "\n"]),
+                body in prop::collection::vec(any::<u8>(), 0..8),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let mut bytes = format!("{method} {target} {version}{newline}");
+                for (name, value) in &fields {
+                    bytes.push_str(&format!("{name}: {value}{newline}"));
+                }
+                bytes.push_str(newline);
+                let mut bytes = bytes.into_bytes();
+                bytes.extend_from_slice(&body);
+                // Whole, and cut short anywhere (the rest still on its way).
+                for bytes in [&bytes[..], &bytes[..cut.index(bytes.len())]] {
+                    let (parsed, rest) = parsed(bytes);
+                    match parsed {
+                        Ok(Some(request)) => {
+                            let (method, target, head_len, body_len) = reference(bytes)
+                                .unwrap_or_else(|| panic!("served a request the reference refuses: {bytes:?}"));
+                            prop_assert_eq!(request.method().as_str(), method);
+                            prop_assert_eq!(request.uri().to_string(), target);
+                            prop_assert_eq!(request.version(), Version::HTTP_11);
+                            let taken = Body::size_hint(request.body()).exact();
+                            prop_assert_eq!(taken, Some(body_len as u64));
+                            prop_assert_eq!(&rest[..], &bytes[head_len + body_len..]);
+                        }
+                        Ok(None) => {
+                            prop_assert!(matches!(
+                                httparse::Request::new(&mut [httparse::EMPTY_HEADER; MAX_FIELDS]).parse(bytes),
+                                Ok(httparse::Status::Partial)
+                            ));
+                            prop_assert_eq!(&rest[..], bytes);
+                        }
+                        Err(NotPlain) => prop_assert_eq!(&rest[..], bytes),
+                    }
+                }
+            }
+
+            #[test]
+            fn random_bytes_never_panic_the_request_parser(
+                prefix in select(vec![&b""[..], b"GET / HTTP/1.1\r\n", b"POST /x HTTP/1.1\r\nContent-Length: 3\r\n"]),
+                bytes in prop::collection::vec(any::<u8>(), 0..200),
+            ) {
+                let mut input = prefix.to_vec();
+                input.extend_from_slice(&bytes);
+                let (parsed, rest) = parsed(&input);
+                if !matches!(parsed, Ok(Some(_))) {
+                    prop_assert_eq!(&rest[..], &input[..]);
+                }
+            }
+        }
+    }
 }

@@ -98,12 +98,13 @@ impl UpstreamErrorKind {
 /// Why a request was answered before any route saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnroutedReason {
-    /// Not well-formed HTTP: the HTTP layer answered `400`.
+    /// Not well-formed HTTP: the HTTP layer answered `400`; or `400 malformed-request` (no
+    /// single valid `Host`, an asterisk target without `OPTIONS`).
     Malformed,
     /// Header fields past the limits (`431`), or a request target too long for the HTTP
     /// layer (`414`).
     TooLarge,
-    /// A body sent with a transfer coding other than `chunked` alone (`501`).
+    /// A body sent with a transfer coding other than `chunked` alone, or a `CONNECT` (`501`).
     Unsupported,
 }
 

@@ -74,6 +74,17 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
+    /// Forward request header fields whose names contain `_` (`X_Api_Key`); by default they
+    /// are dropped, as nginx does [default: false].
+    #[arg(
+        long,
+        env = "IDEMGATE_UNDERSCORES_IN_HEADERS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    pub underscores_in_headers: Option<bool>,
     /// Log line format.
     #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -101,6 +112,7 @@ impl Cli {
             store: self.store.clone(),
             ttl: self.ttl.clone(),
             admin_token: self.admin_token.clone(),
+            underscores_in_headers: self.underscores_in_headers,
         }
     }
 }

@@ -241,7 +241,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         Arc::clone(&metrics),
         builder,
         Arc::clone(&connections),
-        limits,
+        FrontConfig {
+            limits,
+            underscores_in_headers: settings.underscores_in_headers,
+        },
         stop_rx,
     );
     tokio::select! {
@@ -378,13 +381,17 @@ async fn accept_loop<S, B>(
     metrics: Arc<Metrics>,
     builder: auto::Builder<TokioExecutor>,
     connections: Arc<Semaphore>,
-    limits: Limits,
+    config: FrontConfig,
     stop: watch::Receiver<bool>,
 ) where
     S: ConnectionService<B>,
     B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let FrontConfig {
+        limits,
+        underscores_in_headers,
+    } = config;
     loop {
         // At the limit, stop accepting until a connection closes; the kernel's backlog holds
         // the rest.
@@ -406,6 +413,7 @@ async fn accept_loop<S, B>(
             peer,
             metrics: Arc::clone(&metrics),
             limits,
+            underscores_in_headers,
             activity: Arc::new(Activity::default()),
         };
         let builder = builder.clone();
@@ -418,6 +426,14 @@ async fn accept_loop<S, B>(
             drop(permit);
         });
     }
+}
+
+/// What every client connection's front service is configured with.
+#[derive(Clone, Copy)]
+struct FrontConfig {
+    limits: Limits,
+    /// Forward request fields whose names contain `_`.
+    underscores_in_headers: bool,
 }
 
 /// hyper serving a client connection the gateway's own loop handed over.
@@ -583,8 +599,9 @@ async fn serve_connection<S, B>(
     }
 }
 
-/// The outermost per-connection service: refuses a request over the header limits or framed
-/// with a transfer coding it cannot forward, and logs and counts what the layer decided.
+/// The outermost per-connection service: refuses a request it will not forward (see
+/// [`refusal`]), drops request fields whose names contain `_` (unless configured not to),
+/// and logs and counts what the layer decided.
 #[derive(Clone)]
 struct Front<S> {
     inner: S,
@@ -592,6 +609,8 @@ struct Front<S> {
     peer: SocketAddr,
     metrics: Arc<Metrics>,
     limits: Limits,
+    /// Forward request fields whose names contain `_` (see [`drop_underscored_fields`]).
+    underscores_in_headers: bool,
     /// The connection's activity, for the watchdog.
     activity: Arc<Activity>,
 }
@@ -635,15 +654,107 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
         .then(|| Problem::header_block_too_large(block, limits.max_header_bytes))
 }
 
+/// Why the front service answers `req` itself, forwarding nothing, if it does: header fields
+/// past the limits, a method or target the gateway does not forward, a `Host` that does not
+/// name one host, or a body framed with a transfer coding it cannot forward. The same for
+/// every request, whether the gateway's own HTTP/1.1 loop or hyper read it.
+fn refusal<B: http_body::Body>(
+    req: &Request<B>,
+    limits: &Limits,
+) -> Option<(Problem, UnroutedReason)> {
+    if let Some(problem) = over_header_limits(req, limits) {
+        return Some((problem, UnroutedReason::TooLarge));
+    }
+    if req.method() == http::Method::CONNECT {
+        return Some((
+            Problem::unsupported_method(req.method()),
+            UnroutedReason::Unsupported,
+        ));
+    }
+    if let Some(problem) = malformed_target_or_host(req) {
+        return Some((problem, UnroutedReason::Malformed));
+    }
+    // Only a body of unknown length (chunked) can have come with a transfer coding.
+    if http_body::Body::size_hint(req.body()).exact().is_none() {
+        return unsupported_transfer_coding(req)
+            .map(|problem| (problem, UnroutedReason::Unsupported));
+    }
+    None
+}
+
+/// `400 malformed-request` for a request whose target or `Host` does not say what it is for
+/// (RFC 9112 §3.2): an HTTP/1.1 request without `Host`, any request with more than one, or
+/// with one that is not `host[:port]` (empty is allowed: a target without an authority). Over
+/// HTTP/2 the authority comes in `:authority`, so no `Host` is needed; one that is sent must
+/// name the same (RFC 9113 §8.3.1). The asterisk target (`*`) is for `OPTIONS` alone.
+fn malformed_target_or_host<B>(req: &Request<B>) -> Option<Problem> {
+    let uri = req.uri();
+    if uri.authority().is_none() && uri.path() == "*" && req.method() != http::Method::OPTIONS {
+        return Some(Problem::malformed_request(
+            "the asterisk target (*) is for OPTIONS only",
+        ));
+    }
+    let mut hosts = req.headers().get_all(http::header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Some(Problem::malformed_request(
+            "the request has more than one Host field",
+        ));
+    }
+    let Some(host) = host else {
+        return (req.version() == http::Version::HTTP_11)
+            .then(|| Problem::malformed_request("an HTTP/1.1 request must have a Host field"));
+    };
+    let host = host.as_bytes();
+    if host.is_empty() {
+        return None;
+    }
+    // An authority without userinfo: `host[:port]`.
+    let Some(authority) = (!host.contains(&b'@'))
+        .then(|| http::uri::Authority::try_from(host).ok())
+        .flatten()
+    else {
+        return Some(Problem::malformed_request(
+            "the Host field is not a host and an optional port",
+        ));
+    };
+    if req.version() == http::Version::HTTP_2
+        && uri.authority().is_some_and(|named| named != &authority)
+    {
+        return Some(Problem::malformed_request(
+            "the Host field names another authority than :authority",
+        ));
+    }
+    None
+}
+
+/// Removes the request fields whose names contain `_`, before the layer or the upstream sees
+/// them, as nginx does by default (`underscores_in_headers off`). Many upstreams (CGI, and
+/// the frameworks that follow its naming: PHP, Rack, WSGI) read `X-Forwarded-For` and
+/// `X_Forwarded_For` alike as `HTTP_X_FORWARDED_FOR`, and some take `Transfer_Encoding` or
+/// `Content_Length` for the framing fields: a client could pass a field the gateway sets
+/// (or frames by) under a name it does not recognise.
+fn drop_underscored_fields(headers: &mut http::HeaderMap) {
+    // Nearly every request has none: one look at each name.
+    let underscored = |name: &http::HeaderName| name.as_str().as_bytes().contains(&b'_');
+    if !headers.keys().any(underscored) {
+        return;
+    }
+    let names: Vec<http::HeaderName> = headers.keys().filter(|n| underscored(n)).cloned().collect();
+    tracing::debug!(fields = ?names, "request fields with '_' in their names dropped");
+    for name in names {
+        headers.remove(name);
+    }
+}
+
 /// `501 unsupported-transfer-coding` for a request whose `Transfer-Encoding` is anything but
 /// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
 /// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
 fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
     let mut codings =
         crate::headers::list_elements(req.headers(), &http::header::TRANSFER_ENCODING);
-    let first = codings.next()?;
-    let chunked_alone = first.eq_ignore_ascii_case(b"chunked") && codings.next().is_none();
-    (!chunked_alone).then(Problem::unsupported_transfer_coding)
+    codings.next()?;
+    (!crate::headers::chunked_alone(req.headers())).then(Problem::unsupported_transfer_coding)
 }
 
 impl<S, B, RB> hyper::service::Service<Request<RB>> for Front<S>
@@ -657,16 +768,11 @@ where
     type Error = Infallible;
     type Future = FrontFuture<S::Future, B>;
 
-    fn call(&self, req: Request<RB>) -> Self::Future {
-        let refused = match over_header_limits(&req, &self.limits) {
-            Some(problem) => Some((problem, UnroutedReason::TooLarge)),
-            // Only a body of unknown length (chunked) can have come with a transfer coding.
-            None if http_body::Body::size_hint(req.body()).exact().is_none() => {
-                unsupported_transfer_coding(&req)
-                    .map(|problem| (problem, UnroutedReason::Unsupported))
-            }
-            None => None,
-        };
+    fn call(&self, mut req: Request<RB>) -> Self::Future {
+        let refused = refusal(&req, &self.limits);
+        if !self.underscores_in_headers {
+            drop_underscored_fields(req.headers_mut());
+        }
         let log = RequestLog {
             method: req.method().clone(),
             // A clone of the URI shares its bytes; the path is cut to length only if logged.
@@ -892,6 +998,117 @@ mod tests {
             );
         }
         req
+    }
+
+    fn with_hosts(version: http::Version, target: &str, hosts: &[&str]) -> Request<()> {
+        let mut req = Request::builder().version(version).uri(target);
+        for host in hosts {
+            req = req.header(http::header::HOST, *host);
+        }
+        req.body(()).unwrap()
+    }
+
+    #[test]
+    fn a_request_must_name_one_host_and_http11_must_send_it() {
+        use http::Version;
+        let fine = [
+            (Version::HTTP_11, "/v1", &["api.example"][..]),
+            (Version::HTTP_11, "/v1", &["api.example:8080"]),
+            (Version::HTTP_11, "/v1", &["[::1]:8080"]),
+            (Version::HTTP_11, "/v1", &[""]),
+            (
+                Version::HTTP_11,
+                "http://other.example/v1",
+                &["api.example"],
+            ),
+            (Version::HTTP_10, "/v1", &[]),
+            (Version::HTTP_2, "http://api.example/v1", &[]),
+            (Version::HTTP_2, "http://api.example/v1", &["API.example"]),
+        ];
+        for (version, target, hosts) in fine {
+            let req = with_hosts(version, target, hosts);
+            assert!(
+                malformed_target_or_host(&req).is_none(),
+                "{version:?} {target} {hosts:?}"
+            );
+        }
+        let malformed = [
+            (Version::HTTP_11, "/v1", &[][..]),
+            (Version::HTTP_11, "/v1", &["a.example", "a.example"]),
+            (Version::HTTP_10, "/v1", &["a.example", "b.example"]),
+            (
+                Version::HTTP_2,
+                "http://api.example/v1",
+                &["a.example", "a.example"],
+            ),
+            (Version::HTTP_11, "/v1", &["user@a.example"]),
+            (Version::HTTP_11, "/v1", &["a.example/path"]),
+            (Version::HTTP_11, "/v1", &["a example"]),
+            (Version::HTTP_2, "http://api.example/v1", &["other.example"]),
+        ];
+        for (version, target, hosts) in malformed {
+            let req = with_hosts(version, target, hosts);
+            let problem = malformed_target_or_host(&req);
+            assert_eq!(
+                problem.map(|p| p.kind()),
+                Some(crate::response::ProblemKind::MalformedRequest),
+                "{version:?} {target} {hosts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn connect_and_an_asterisk_without_options_are_refused_before_anything_else() {
+        let limits = Limits {
+            max_connections: 16,
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_headers: 64,
+            max_header_bytes: 64 * 1024,
+        };
+        let req = |method: http::Method, target: &str| {
+            Request::builder()
+                .method(method)
+                .uri(target)
+                .header(http::header::HOST, "x")
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap()
+        };
+        let refused = |req| refusal(&req, &limits).map(|(p, reason)| (p.status().as_u16(), reason));
+        assert_eq!(
+            refused(req(http::Method::CONNECT, "example.com:443")),
+            Some((501, UnroutedReason::Unsupported))
+        );
+        assert_eq!(
+            refused(req(http::Method::GET, "*")),
+            Some((400, UnroutedReason::Malformed))
+        );
+        assert_eq!(refused(req(http::Method::OPTIONS, "*")), None);
+        assert_eq!(refused(req(http::Method::POST, "/v1")), None);
+    }
+
+    #[test]
+    fn fields_with_underscores_are_dropped_and_the_others_kept() {
+        let mut headers = http::HeaderMap::new();
+        for (name, value) in [
+            ("host", "x"),
+            ("transfer_encoding", "chunked"),
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x_forwarded_for", "6.6.6.6"),
+            ("x_forwarded_for", "7.7.7.7"),
+            ("content_length", "5"),
+            ("x-api-key", "k"),
+        ] {
+            headers.append(
+                http::HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        drop_underscored_fields(&mut headers);
+        let mut names: Vec<&str> = headers.keys().map(http::HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["host", "x-api-key", "x-forwarded-for"]);
+        assert_eq!(headers["x-forwarded-for"], "10.0.0.1");
     }
 
     #[test]

@@ -23,8 +23,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// Environment variables the gateway reads; removed from every child so the host's
 /// environment cannot change a test.
-const GATEWAY_ENV: [&str; 9] = [
+const GATEWAY_ENV: [&str; 10] = [
     "IDEMGATE_CONFIG",
+    "IDEMGATE_UNDERSCORES_IN_HEADERS",
     "IDEMGATE_LISTEN",
     "IDEMGATE_UPSTREAM",
     "IDEMGATE_STORE",

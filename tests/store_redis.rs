@@ -7,10 +7,15 @@
 mod redis_server;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body_util::Full;
+use idemgate::IdempotencyLayer;
+use idemgate::body::RequestBody;
+use idemgate::policy::RoutePolicy;
 use idemgate::record::{
     Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
 };
@@ -19,6 +24,7 @@ use idemgate::store::{
     Transition, UnknownOutcome,
 };
 use redis_server::RedisServer;
+use tower::ServiceExt;
 
 /// The whole contract, each check on its own server (dropped, and so killed, with the store).
 mod conformance {
@@ -196,15 +202,15 @@ async fn until_ping_succeeds(store: &RedisStore) {
     panic!("the store did not come back within 10 s of the server");
 }
 
-/// How many times Redis ran `SCRIPT LOAD` (from `INFO commandstats`).
-async fn script_loads(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
+/// How many times Redis ran `EVAL` (from `INFO commandstats`).
+async fn evals(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(raw)
         .await
         .expect("INFO commandstats");
     info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_script|load:calls="))
+        .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
@@ -224,14 +230,17 @@ async fn every_transition_survives_script_flush() {
     let store = connect(config(&server)).await;
     let mut raw = raw(&server).await;
 
-    // Each step runs right after a flush, so each script is sent by SHA, refused with
-    // NOSCRIPT, loaded and run: one SCRIPT LOAD per step proves the fallback ran.
-    let mut loads = script_loads(&mut raw).await;
+    // Each step runs right after a flush, so its script is sent by SHA, refused with
+    // NOSCRIPT and run with EVAL (unless the background reload the first NOSCRIPT started
+    // happened to land after the flush). The first one certainly falls back.
+    let before = evals(&mut raw).await;
     script_flush(&mut raw).await;
     let token = acquire(&store, "a").await;
-    let now = script_loads(&mut raw).await;
-    assert_eq!(now, loads + 1, "claim loaded its script after the flush");
-    loads = now;
+    assert_eq!(
+        evals(&mut raw).await,
+        before + 1,
+        "claim ran its script with EVAL after the flush"
+    );
 
     script_flush(&mut raw).await;
     assert_eq!(
@@ -270,8 +279,6 @@ async fn every_transition_survives_script_flush() {
         Transition::Applied
     );
 
-    // renew, complete, claim, claim, mark_ambiguous, claim, release: 7 more loads.
-    assert_eq!(script_loads(&mut raw).await, loads + 7);
     assert!(matches!(
         store.get(&key("b")).await.unwrap(),
         Some(Record::Ambiguous { .. })
@@ -678,4 +685,109 @@ async fn records_written_by_something_else_are_errors_not_panics() {
     assert!(store.delete(&key("odd")).await.unwrap());
     assert!(store.delete(&key("bad-body")).await.unwrap());
     assert!(!store.delete(&key("never")).await.unwrap());
+}
+
+/// The layer in front of `store`, with `store_timeout` `FAULT_TIMEOUT` and a lease of twice
+/// that (the shortest a proxy accepts is 1.5 times), keeping ambiguous records.
+fn fault_layer(store: &RedisStore) -> IdempotencyLayer {
+    IdempotencyLayer::new(Arc::new(store.clone()))
+        .store_timeout(FAULT_TIMEOUT)
+        .default_route(
+            RoutePolicy::api()
+                .lease(FAULT_TIMEOUT * 2)
+                .unknown_outcome(UnknownOutcome::Ambiguous),
+        )
+}
+
+/// Sends one keyed POST through `layer` to an upstream that answers `201` and counts its calls.
+async fn send_keyed(layer: &IdempotencyLayer, calls: &Arc<AtomicUsize>, key: &str) -> StatusCode {
+    let calls = Arc::clone(calls);
+    let upstream = tower::service_fn(move |_req: http::Request<RequestBody<Full<Bytes>>>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async {
+            let mut response = http::Response::new(Full::new(Bytes::from_static(b"{}")));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, std::convert::Infallible>(response)
+        }
+    });
+    let request = http::Request::post("/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"amount\":1}")))
+        .unwrap();
+    let response = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(upstream)
+        .oneshot(request)
+        .await
+        .unwrap();
+    response.status()
+}
+
+#[tokio::test]
+async fn claim_lost_after_script_flush_is_undone_and_the_retry_runs() {
+    let server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    let mut raw = raw(&server).await;
+    // After a flush (as after a restart or a failover) the claim script is cached again by
+    // the first claim; the release script that undoes a lost claim is not.
+    script_flush(&mut raw).await;
+    acquire(&store, "warm-up").await;
+    let layer = fault_layer(&store);
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    // Redis freezes: the claim is sent, its answer does not come within store_timeout (the
+    // client gets 503), and the claim lands once Redis thaws, between the second and the
+    // third store timeout: after the first undo attempt has given up, during the second.
+    let started = Instant::now();
+    server.pause();
+    let status = send_keyed(&layer, &calls, "lost-claim").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep_until((started + FAULT_TIMEOUT * 5 / 2).into()).await;
+    server.resume();
+
+    // Past the lease the claim would have, had it not been undone.
+    tokio::time::sleep(FAULT_TIMEOUT * 2 + FAULT_TIMEOUT / 2).await;
+    let retry = send_keyed(&layer, &calls, "lost-claim").await;
+    assert_eq!(
+        retry,
+        StatusCode::CREATED,
+        "the retry of a request that never ran must run (502 means the lost claim was never \
+         undone and lapsed into an ambiguous record)"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// How many scripts Redis has cached (`number_of_cached_scripts` in `INFO memory`).
+async fn cached_scripts(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(raw)
+        .await
+        .expect("INFO memory");
+    info.lines()
+        .find_map(|line| line.strip_prefix("number_of_cached_scripts:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn scripts_are_loaded_again_when_the_store_reconnects() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    server.restart();
+    until_ping_succeeds(&store).await;
+
+    // Every transition script is cached again without waiting for its first use, so the
+    // first release after a restart is one round trip, not a NOSCRIPT and a reload.
+    let mut raw = raw(&server).await;
+    let mut cached = 0;
+    for _ in 0..100 {
+        cached = cached_scripts(&mut raw).await;
+        if cached >= 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(cached >= 5, "{cached} scripts cached after the reconnect");
 }

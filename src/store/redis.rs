@@ -5,13 +5,14 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script, Value};
+use redis::{ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
 
 use super::{
     BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
@@ -110,9 +111,11 @@ pub enum EvictionPolicy {
 /// so one round trip and one atomic step in Redis. The scripts compare the owner token
 /// before they change anything, and nothing ever writes a record with a bare `SET`. Leases
 /// and expiry use Redis' own clock (`TIME` inside the scripts, relative `PEXPIRE`), never a
-/// gateway's, so gateways with skewed clocks still agree. Scripts are sent as `EVALSHA` and
-/// loaded on `NOSCRIPT` (after a restart, a failover or a `SCRIPT FLUSH`). Needs Redis 5 or
-/// newer (or a compatible server such as Valkey).
+/// gateway's, so gateways with skewed clocks still agree. Scripts are loaded at connect and
+/// again, in the background, after every reconnect, and sent as `EVALSHA`; one that meets
+/// `NOSCRIPT` anyway (a restart, a failover or a `SCRIPT FLUSH` not yet noticed) is run in the
+/// same call with `EVAL`, so a call is never cut off between loading its script and running
+/// it. Needs Redis 5 or newer (or a compatible server such as Valkey).
 ///
 /// # Configuring Redis for payments
 ///
@@ -166,6 +169,18 @@ pub struct RedisStore {
     timeout: Duration,
     display_url: Arc<str>,
     eviction_policy: Arc<Mutex<Option<EvictionPolicy>>>,
+    sync: Arc<SyncState>,
+}
+
+/// Whether the per-connection set-up ([`RedisStore::sync`]: loading the scripts, checking
+/// the server's settings) is due, shared by every clone of a store.
+#[derive(Debug)]
+struct SyncState {
+    /// Set up front and after every failure that may mean a new connection (an I/O error, a
+    /// dropped connection, a timeout) or an emptied script cache (`NOSCRIPT`).
+    due: AtomicBool,
+    /// A background sync is running; at most one at a time.
+    running: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
@@ -208,7 +223,7 @@ impl RedisStore {
             Ok(Err(e)) => return Err(fail("cannot connect", Some(e.into()))),
             Err(_) => return Err(fail("timed out connecting", None)),
         }
-        store.check_eviction_policy().await?;
+        store.sync().await?;
         Ok(store)
     }
 
@@ -257,7 +272,55 @@ impl RedisStore {
             timeout: config.timeout,
             display_url,
             eviction_policy: Arc::new(Mutex::new(None)),
+            sync: Arc::new(SyncState {
+                due: AtomicBool::new(true),
+                running: AtomicBool::new(false),
+            }),
         })
+    }
+
+    /// What a (re)connected store does before anything else: loads every script, so the
+    /// first call of each after a restart, a failover or a `SCRIPT FLUSH` is one round trip
+    /// (a call that still meets `NOSCRIPT` falls back to `EVAL`, see
+    /// [`eval`](Self::eval)), and checks the server's eviction policy.
+    ///
+    /// Runs at [`connect`](Self::connect), on the first successful [`ping`](Store::ping)
+    /// of a lazy store, and in the background at the first call after any failure that may
+    /// have meant a new connection or an emptied script cache. Marked due again if it fails.
+    async fn sync(&self) -> Result<(), StoreError> {
+        self.sync.due.store(false, Ordering::Relaxed);
+        let result = self.sync_steps().await;
+        if result.is_err() {
+            self.sync.due.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+
+    async fn sync_steps(&self) -> Result<(), StoreError> {
+        let mut load = redis::pipe();
+        for script in self.scripts.all() {
+            load.cmd("SCRIPT").arg("LOAD").arg(script.code);
+        }
+        let mut connection = self.connection.clone();
+        let _: Vec<String> = self.run(load.query_async(&mut connection)).await?;
+        self.check_eviction_policy().await?;
+        Ok(())
+    }
+
+    /// Starts a background [`sync`](Self::sync) if one is due and none is running. Costs one
+    /// atomic load when none is due, so every call can ask.
+    fn sync_if_due(&self) {
+        if !self.sync.due.load(Ordering::Relaxed) || self.sync.running.swap(true, Ordering::Acquire)
+        {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = store.sync().await {
+                tracing::debug!(redis = %store.display_url, error = %crate::ErrorChain(&error), "redis set-up after a reconnect failed; retried with the next call");
+            }
+            store.sync.running.store(false, Ordering::Release);
+        });
     }
 
     /// Reads Redis' `maxmemory-policy` now, logs a warning unless it is `noeviction`, and
@@ -326,33 +389,80 @@ impl RedisStore {
         out
     }
 
-    /// Runs one Redis call under the store timeout.
+    /// Runs one Redis call under the store timeout. A failure that may mean a new
+    /// connection (anything but an error reply from Redis) makes a [`sync`](Self::sync) due.
     async fn run<T>(
         &self,
         call: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, call).await {
+        self.sync_if_due();
+        let result = tokio::time::timeout(self.timeout, call).await;
+        match result {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(self.error(e)),
-            Err(_) => Err(self.timeout_error()),
+            Ok(Err(e)) => {
+                if !matches!(e.kind(), ErrorKind::Server(_)) {
+                    self.sync.due.store(true, Ordering::Relaxed);
+                }
+                Err(self.error(e))
+            }
+            Err(_) => {
+                self.sync.due.store(true, Ordering::Relaxed);
+                Err(self.timeout_error())
+            }
+        }
+    }
+
+    /// Runs `script` with `keys` and `args`: `EVALSHA`, and on `NOSCRIPT` (Redis restarted,
+    /// failed over or had its cache flushed) the script itself with `EVAL`, which runs it in
+    /// the same step and caches it again. One extra round trip, never a separate load that a
+    /// timeout could cut off between loading and running; the other scripts are then
+    /// reloaded in the background by a [`sync`](Self::sync).
+    async fn eval<T: FromRedisValue>(
+        &self,
+        script: &LuaScript,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> redis::RedisResult<T> {
+        let command = |verb: &str, body: &str| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(body).arg(keys.len());
+            for key in keys {
+                cmd.arg(*key);
+            }
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        let mut connection = self.connection.clone();
+        match command("EVALSHA", &script.sha)
+            .query_async(&mut connection)
+            .await
+        {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.sync.due.store(true, Ordering::Relaxed);
+                command("EVAL", script.code)
+                    .query_async(&mut connection)
+                    .await
+            }
+            answer => answer,
         }
     }
 
     /// Runs one fenced transition script with ARGV `token`, then `args`; `1` means applied.
     async fn transition(
         &self,
-        script: &Script,
+        script: &LuaScript,
         key: &RecordKey,
         token: OwnerToken,
         args: &[&[u8]],
     ) -> Result<Transition, StoreError> {
-        let mut invocation = script.key(self.redis_key(key));
-        invocation.arg(&token.0.to_be_bytes()[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        let mut connection = self.connection.clone();
-        let applied: i64 = self.run(invocation.invoke_async(&mut connection)).await?;
+        let record = self.redis_key(key);
+        let token_bytes = token.0.to_be_bytes();
+        let mut all: Vec<&[u8]> = Vec::with_capacity(args.len() + 1);
+        all.push(&token_bytes[..]);
+        all.extend_from_slice(args);
+        let applied: i64 = self.run(self.eval(script, &[&record], &all)).await?;
         Ok(if applied == 1 {
             Transition::Applied
         } else {
@@ -408,15 +518,18 @@ impl Store for RedisStore {
             UnknownOutcome::Ambiguous => b"a",
             UnknownOutcome::Retry => b"r",
         };
-        let mut invocation = self.scripts.claim.key(self.redis_key(key));
-        invocation
-            .arg(&fingerprint.0[..])
-            .arg(&token.0.to_be_bytes()[..])
-            .arg(lease.as_bytes())
-            .arg(ttl.as_bytes())
-            .arg(on_lapse);
-        let mut connection = self.connection.clone();
-        let answer: Value = self.run(invocation.invoke_async(&mut connection)).await?;
+        let record = self.redis_key(key);
+        let token_bytes = token.0.to_be_bytes();
+        let args: [&[u8]; 5] = [
+            &fingerprint.0[..],
+            &token_bytes[..],
+            lease.as_bytes(),
+            ttl.as_bytes(),
+            on_lapse,
+        ];
+        let answer: Value = self
+            .run(self.eval(&self.scripts.claim, &[&record], &args))
+            .await?;
         decode_claim(answer, token)
     }
 
@@ -490,7 +603,8 @@ impl Store for RedisStore {
         self.run(redis::cmd("PING").query_async::<()>(&mut connection))
             .await?;
         if self.eviction_policy().is_none() {
-            self.check_eviction_policy().await?;
+            // A lazy store's first contact: set up now, so readiness reports its outcome.
+            self.sync().await?;
         }
         Ok(())
     }
@@ -504,11 +618,26 @@ impl Store for RedisStore {
 /// `lua_now!`), and each sets expiry with relative `PEXPIRE`, so no gateway clock is
 /// involved.
 struct Scripts {
-    claim: Script,
-    complete: Script,
-    release: Script,
-    renew: Script,
-    mark_ambiguous: Script,
+    claim: LuaScript,
+    complete: LuaScript,
+    release: LuaScript,
+    renew: LuaScript,
+    mark_ambiguous: LuaScript,
+}
+
+/// One script: its text, for `EVAL` and `SCRIPT LOAD`, and its SHA1, for `EVALSHA`.
+struct LuaScript {
+    code: &'static str,
+    sha: String,
+}
+
+impl LuaScript {
+    fn new(code: &'static str) -> Self {
+        Self {
+            code,
+            sha: redis::Script::new(code).get_hash().to_owned(),
+        }
+    }
 }
 
 /// Lua: Redis' clock now, in Unix ms as a number (`now`) and as a decimal string (`now_s`).
@@ -621,12 +750,22 @@ return 1
 impl Scripts {
     fn new() -> Self {
         Self {
-            claim: Script::new(CLAIM),
-            complete: Script::new(COMPLETE),
-            release: Script::new(RELEASE),
-            renew: Script::new(RENEW),
-            mark_ambiguous: Script::new(MARK_AMBIGUOUS),
+            claim: LuaScript::new(CLAIM),
+            complete: LuaScript::new(COMPLETE),
+            release: LuaScript::new(RELEASE),
+            renew: LuaScript::new(RENEW),
+            mark_ambiguous: LuaScript::new(MARK_AMBIGUOUS),
         }
+    }
+
+    fn all(&self) -> [&LuaScript; 5] {
+        [
+            &self.claim,
+            &self.complete,
+            &self.release,
+            &self.renew,
+            &self.mark_ambiguous,
+        ]
     }
 }
 

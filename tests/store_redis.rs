@@ -20,8 +20,8 @@ use idemgate::record::{
     Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
 };
 use idemgate::store::{
-    Claim, ClaimOptions, EvictionPolicy, RedisStore, RedisStoreConfig, Store, StoreError,
-    Transition, UnknownOutcome,
+    Claim, ClaimOptions, EvictionPolicy, Persistence, RedisStore, RedisStoreConfig, Store,
+    StoreError, Transition, UnknownOutcome,
 };
 use redis_server::RedisServer;
 use tower::ServiceExt;
@@ -365,7 +365,11 @@ async fn restarted_server_is_used_again_by_the_same_store() {
 
     server.restart();
     until_ping_succeeds(&store).await;
-    // The test server keeps nothing across a restart, so the key is free again.
+    // The test server keeps nothing across a restart: the store refuses to claim until the
+    // loss is acknowledged (see restart_without_persistence_refuses_claims_until_acknowledged),
+    // and then the key is free again.
+    assert!(claim(&store, "before").await.is_err());
+    assert!(store.acknowledge_data_loss().await.unwrap());
     acquire(&store, "before").await;
     acquire(&store, "after").await;
 }
@@ -480,13 +484,24 @@ async fn keys_carry_the_prefix_a_hash_tag_and_a_ttl() {
     let mut raw = raw(&server).await;
     acquire(&store, "prefixed").await;
 
-    let keys: Vec<String> = redis::cmd("KEYS")
+    let mut keys: Vec<String> = redis::cmd("KEYS")
         .arg("*")
         .query_async(&mut raw)
         .await
         .unwrap();
+    keys.sort();
     let expected = format!("idemgate-test:{{{}}}", key("prefixed").to_hex());
-    assert_eq!(keys, std::slice::from_ref(&expected));
+    // The record, and the data marker (without a TTL) beside the records.
+    assert_eq!(
+        keys,
+        ["idemgate-test:data-marker".to_owned(), expected.clone()]
+    );
+    let marker_ttl: i64 = redis::cmd("PTTL")
+        .arg("idemgate-test:data-marker")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(marker_ttl, -1, "the marker never expires");
     assert_eq!(store.redis_key(&key("prefixed")), expected.as_bytes());
 
     let kind: String = redis::cmd("TYPE")
@@ -506,7 +521,7 @@ async fn keys_carry_the_prefix_a_hash_tag_and_a_ttl() {
     let plain = connect(RedisStoreConfig::new(server.url())).await;
     acquire(&plain, "default").await;
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("idemgate:*")
+        .arg("idemgate:{*")
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -790,4 +805,239 @@ async fn scripts_are_loaded_again_when_the_store_reconnects() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(cached >= 5, "{cached} scripts cached after the reconnect");
+}
+
+/// The chain of `error`'s messages, outermost first.
+fn chain(error: &StoreError) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[tokio::test]
+async fn restart_without_persistence_refuses_claims_until_acknowledged() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    let token = acquire(&store, "kept").await;
+    let done = store
+        .complete(
+            &key("kept"),
+            token,
+            response(b"kept"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+
+    // The test server keeps nothing across a restart: the record is forgotten, and a retry
+    // of its request would run a second time if the store went on claiming.
+    server.restart();
+    until_ping_succeeds(&store).await;
+    let refused = claim(&store, "kept")
+        .await
+        .expect_err("a store that lost its records must refuse new claims");
+    assert!(
+        matches!(
+            refused,
+            StoreError::Unavailable {
+                backend: "redis",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    assert!(
+        chain(&refused).contains("lost its data"),
+        "{}",
+        chain(&refused)
+    );
+    assert!(
+        claim(&store, "new").await.is_err(),
+        "every new claim is refused"
+    );
+    let status = store.data_loss();
+    assert!(status.unacknowledged.is_some(), "{status:?}");
+    assert_eq!(status.detected, 1, "one loss, counted once");
+
+    // The operator acknowledges: claims are served again, and the loss stays counted.
+    assert!(store.acknowledge_data_loss().await.unwrap());
+    assert_eq!(store.data_loss().unacknowledged, None);
+    assert_eq!(store.data_loss().detected, 1);
+    acquire(&store, "kept").await;
+    assert!(
+        !store.acknowledge_data_loss().await.unwrap(),
+        "nothing left to acknowledge"
+    );
+}
+
+#[tokio::test]
+async fn data_loss_is_found_at_reconnect_and_replays_that_survive_are_served() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    server.restart();
+    until_ping_succeeds(&store).await;
+    // Found by the set-up that follows the reconnect, before any claim tries to acquire.
+    let mut found = false;
+    for _ in 0..100 {
+        if store.data_loss().unacknowledged.is_some() {
+            found = true;
+            break;
+        }
+        let _ = store.ping().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(found, "the reconnect found the marker gone");
+
+    // A record written after the loss (by another gateway, started after it, which adopts
+    // the marker it finds or writes) is still answered: only acquiring is refused.
+    let other = connect(config(&server)).await;
+    let token = acquire(&other, "after").await;
+    assert_eq!(
+        other
+            .complete(
+                &key("after"),
+                token,
+                response(b"after"),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap(),
+        Transition::Applied
+    );
+    assert_eq!(
+        claim(&store, "after").await.unwrap(),
+        Claim::Completed(Arc::new(response(b"after")))
+    );
+    assert!(claim(&store, "fresh").await.is_err());
+    // The marker the other gateway wrote is not the one this store expects.
+    assert!(store.data_loss().unacknowledged.is_some());
+    assert_eq!(other.data_loss().unacknowledged, None);
+    acquire(&other, "fresh").await;
+}
+
+#[tokio::test]
+async fn restart_with_appendonly_keeps_the_marker_and_serves() {
+    let mut server = RedisServer::start_with(&["--appendonly", "yes"]);
+    let store = connect(fault_config(&server)).await;
+    assert_eq!(
+        store.persistence(),
+        Some(Persistence::AppendOnly {
+            fsync: "everysec".to_owned()
+        })
+    );
+    let token = acquire(&store, "kept").await;
+    let done = store
+        .complete(
+            &key("kept"),
+            token,
+            response(b"kept"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+
+    server.restart();
+    until_ping_succeeds(&store).await;
+    assert_eq!(
+        claim(&store, "kept").await.unwrap(),
+        Claim::Completed(Arc::new(response(b"kept")))
+    );
+    acquire(&store, "new").await;
+    // Once more after the set-up that follows the reconnect has surely run.
+    let _ = store.ping().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    acquire(&store, "newer").await;
+    assert_eq!(store.data_loss().unacknowledged, None);
+    assert_eq!(store.data_loss().detected, 0);
+}
+
+#[tokio::test]
+async fn persistence_is_checked_at_connect() {
+    let volatile = RedisServer::start();
+    assert_eq!(
+        connect(config(&volatile)).await.persistence(),
+        Some(Persistence::NotAppendOnly)
+    );
+    let durable = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    assert_eq!(
+        connect(config(&durable)).await.persistence(),
+        Some(Persistence::AppendOnly {
+            fsync: "always".to_owned()
+        })
+    );
+    let managed = RedisServer::start_with(&["--rename-command", "CONFIG", ""]);
+    assert_eq!(
+        connect(config(&managed)).await.persistence(),
+        Some(Persistence::Unknown)
+    );
+}
+
+#[cfg(feature = "proxy")]
+#[tokio::test]
+async fn data_loss_is_acknowledged_through_the_admin_listener() {
+    use http_body_util::BodyExt;
+    use idemgate::proxy::admin::{AdminState, handle};
+    use idemgate::proxy::metrics::{InstrumentedStore, Metrics};
+
+    let mut server = RedisServer::start();
+    let redis = connect(fault_config(&server)).await;
+    let metrics = Metrics::new();
+    let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(
+        Arc::new(redis.clone()),
+        Arc::clone(&metrics),
+    ));
+    let state = Arc::new(AdminState {
+        store: Arc::clone(&store),
+        store_timeout: FAULT_TIMEOUT,
+        metrics,
+        stats: Arc::new(idemgate::LayerStats::default()),
+        token: Some("admin-token-0123456789".to_owned()),
+        routes: vec![RoutePolicy::default()],
+        draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    });
+    let admin = |method: &str, uri: &str| {
+        let state = Arc::clone(&state);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("authorization", "Bearer admin-token-0123456789")
+            .body(())
+            .unwrap();
+        async move {
+            let Ok(response) = handle(state, request).await;
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+
+    server.restart();
+    until_ping_succeeds(&redis).await;
+    assert!(claim(&redis, "x").await.is_err());
+    let (_, text) = admin("GET", "/metrics").await;
+    assert!(
+        text.contains("idemgate_store_data_lost{backend=\"redis\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemgate_store_data_losses_total{backend=\"redis\"} 1\n"),
+        "{text}"
+    );
+
+    let (status, body) = admin("POST", "/admin/store/acknowledge-data-loss").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"acknowledged\": true"), "{body}");
+    let (_, text) = admin("GET", "/metrics").await;
+    assert!(
+        text.contains("idemgate_store_data_lost{backend=\"redis\"} 0\n"),
+        "{text}"
+    );
+    acquire(&redis, "x").await;
 }

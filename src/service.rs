@@ -304,6 +304,7 @@ impl Keyed {
                 record: self.record,
                 token,
                 lease: policy.lease,
+                on_lapse: policy.unknown_outcome,
             };
             let store = &self.shared.store;
             let claim = self
@@ -856,15 +857,19 @@ impl<F: Future> Future for Bounded<F> {
 /// it would carry: fenced, so it removes that claim and nothing else. Stores apply one
 /// caller's commands in order, so the release lands after a late claim.
 ///
-/// A store that lost one answer may be failing: the release is tried again, every store
-/// timeout, for as long as the claim's lease could hold the key. Given up earlier, a claim
-/// under `unknown_outcome = "ambiguous"` would lapse into an ambiguous record, and every
-/// retry of a request that never ran would be told its outcome is unknown.
+/// A store that lost one answer may be failing: the release is tried again, an attempt
+/// starting every store timeout, at least twice and then for as long as the claim's lease
+/// could hold the key. Given up earlier, a claim under `unknown_outcome = "ambiguous"` would
+/// lapse into an ambiguous record, and every retry of a request that never ran would be told
+/// its outcome is unknown. (A release after the lease is still safe: it is fenced, and
+/// removes the claim only if no other claim has taken the record over.)
 struct UndoClaim<'a> {
     shared: &'a Shared,
     record: RecordKey,
     token: OwnerToken,
     lease: Duration,
+    /// What the claim turns into if it landed and is never undone.
+    on_lapse: UnknownOutcome,
 }
 
 impl UndoClaim<'_> {
@@ -886,24 +891,50 @@ impl Drop for UndoClaim<'_> {
         };
         let store = Arc::clone(&self.shared.store);
         let (record, token, timeout) = (self.record, self.token, self.shared.store_timeout);
+        let (lease, on_lapse) = (self.lease, self.on_lapse);
         // The claim landed, if it did, before now: its lease ends by then.
-        let lease_end = tokio::time::Instant::now() + self.lease;
+        let lease_end = tokio::time::Instant::now() + lease;
         runtime.spawn(async move {
             let _undoing = undoing;
-            let undone = loop {
-                if let Ok(Ok(_)) =
-                    tokio::time::timeout(timeout, store.release(&record, token)).await
+            let mut attempts = 0u32;
+            let failure = loop {
+                attempts += 1;
+                let started = tokio::time::Instant::now();
+                let failure = match tokio::time::timeout(timeout, store.release(&record, token))
+                    .await
                 {
-                    break true;
+                    Ok(Ok(Transition::Applied)) => {
+                        tracing::info!(record = %record.short(), attempts, "undid a claim whose answer was lost: the next retry runs the request");
+                        return;
+                    }
+                    Ok(Ok(Transition::Fenced)) => {
+                        tracing::debug!(record = %record.short(), attempts, "a claim whose answer was lost had not landed (or was taken over): nothing to undo");
+                        return;
+                    }
+                    Ok(Err(error)) => ErrorChain(&error).to_string(),
+                    Err(_) => format!("no answer within {} ms", timeout.as_millis()),
+                };
+                // Attempts start a store timeout apart; a second one is always made, more only
+                // while the lease could still hold the key.
+                let next = started + timeout;
+                if attempts >= 2 && next >= lease_end {
+                    break failure;
                 }
-                if tokio::time::Instant::now() + timeout >= lease_end {
-                    break false;
-                }
-                tokio::time::sleep(timeout).await;
+                tokio::time::sleep_until(next).await;
             };
-            if !undone {
-                tracing::warn!(record = %record.short(), "could not undo a claim whose answer was lost; it lapses with its lease");
-            }
+            let then = match on_lapse {
+                UnknownOutcome::Ambiguous => {
+                    "turns ambiguous: retries are answered 502 outcome-unknown until an operator deletes the record or it expires"
+                }
+                UnknownOutcome::Retry => "is taken over by the next retry, which runs the request",
+            };
+            tracing::warn!(
+                record = %record.short(),
+                attempts,
+                last_error = %failure,
+                lease_ms = lease.as_millis() as u64,
+                "could not undo a claim whose answer was lost; if it landed, it holds the key until its lease ends and then {then}",
+            );
         });
     }
 }

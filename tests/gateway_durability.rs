@@ -155,7 +155,9 @@ async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart(
     /// The traffic loop's bound: at 20 ms apart this is far longer than the test needs.
     const MAX_REQUESTS: usize = 3000;
 
-    let mut redis = redis_server::RedisServer::start();
+    // With its append-only file, so the restart keeps the records (a restart that loses them
+    // is redis_restarted_without_persistence_refuses_claims_until_acknowledged).
+    let mut redis = redis_server::RedisServer::start_with(&["--appendonly", "yes"]);
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
     let mut gw = Gateway::start_configured(
@@ -271,6 +273,79 @@ async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart(
         upstream.total_hits(),
         forwarded,
         "the upstream saw exactly the requests answered 201"
+    );
+}
+
+// ---- Redis restarted without persistence --------------------------------------------------
+
+/// A Redis restarted without persistence forgets every record: the gateway warned about it at
+/// start, finds the loss (its data marker is gone), and refuses new claims with `503` until an
+/// operator acknowledges it on the admin listener; the retry of a request that already ran
+/// is never forwarded meanwhile.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_restarted_without_persistence_refuses_claims_until_acknowledged() {
+    const TOKEN: &str = "admin-token-0123456789";
+    let mut redis = redis_server::RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let gw = Gateway::start_configured(
+        &dir,
+        &upstream,
+        &redis.url(),
+        &format!("store_timeout = \"500ms\"\nadmin_token = \"{TOKEN}\"\n"),
+        &[],
+    );
+    let first = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    gw.logs_with("appendonly is no")
+        .await
+        .unwrap_or_else(|| panic!("the missing persistence is warned about:\n{}", gw.logs()));
+
+    redis.restart();
+    // The gateway reconnects (a few 503s while it does), finds the loss, and refuses.
+    let lost = eventually(200, || async {
+        let r = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+        assert_ne!(r.status, 201, "the retry ran again: {}", r.text());
+        let metrics = admin_get(&gw, "/metrics", &[]).await.text();
+        metrics
+            .contains("idemgate_store_data_lost{backend=\"redis\"} 1\n")
+            .then_some(())
+    })
+    .await;
+    assert!(lost.is_some(), "the loss is found:\n{}", gw.logs());
+    let refused = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+    assert_store_unavailable(&refused);
+    assert_eq!(
+        upstream.hits("/pay"),
+        1,
+        "the retry was not run a second time"
+    );
+    let fresh = send("POST", &gw.url("/other"), &[key("k-2")], "x").await;
+    assert_store_unavailable(&fresh);
+    assert_eq!(upstream.hits("/other"), 0);
+    let logs = gw.logs();
+    assert!(logs.contains("redis lost its data"), "{logs}");
+    assert_eq!(
+        logs.matches("appendonly is no").count(),
+        1,
+        "warned once, not at every reconnect:\n{logs}"
+    );
+
+    let ack_url = format!("http://{}/admin/store/acknowledge-data-loss", gw.admin);
+    let denied = send("POST", &ack_url, &[], "").await;
+    assert_eq!(denied.status, 401, "{}", denied.text());
+    let auth = format!("Bearer {TOKEN}");
+    let ack = send("POST", &ack_url, &[("authorization", &auth)], "").await;
+    assert_eq!(ack.status, 200, "{}", ack.text());
+    assert_eq!(ack.json()["acknowledged"], true, "{}", ack.text());
+
+    let served = send("POST", &gw.url("/other"), &[key("k-2")], "x").await;
+    assert_eq!(served.status, 201, "{}", served.text());
+    let metrics = admin_get(&gw, "/metrics", &[]).await.text();
+    assert!(
+        metrics.contains("idemgate_store_data_lost{backend=\"redis\"} 0\n"),
+        "{metrics}"
     );
 }
 

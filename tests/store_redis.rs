@@ -7,18 +7,24 @@
 mod redis_server;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body_util::Full;
+use idemgate::IdempotencyLayer;
+use idemgate::body::RequestBody;
+use idemgate::policy::RoutePolicy;
 use idemgate::record::{
     Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
 };
 use idemgate::store::{
-    Claim, ClaimOptions, EvictionPolicy, RedisStore, RedisStoreConfig, Store, StoreError,
-    Transition, UnknownOutcome,
+    Claim, ClaimOptions, EvictionPolicy, Persistence, RedisStore, RedisStoreConfig, Store,
+    StoreError, Transition, UnknownOutcome,
 };
 use redis_server::RedisServer;
+use tower::ServiceExt;
 
 /// The whole contract, each check on its own server (dropped, and so killed, with the store).
 mod conformance {
@@ -196,15 +202,15 @@ async fn until_ping_succeeds(store: &RedisStore) {
     panic!("the store did not come back within 10 s of the server");
 }
 
-/// How many times Redis ran `SCRIPT LOAD` (from `INFO commandstats`).
-async fn script_loads(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
+/// How many times Redis ran `EVAL` (from `INFO commandstats`).
+async fn evals(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(raw)
         .await
         .expect("INFO commandstats");
     info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_script|load:calls="))
+        .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
@@ -224,14 +230,17 @@ async fn every_transition_survives_script_flush() {
     let store = connect(config(&server)).await;
     let mut raw = raw(&server).await;
 
-    // Each step runs right after a flush, so each script is sent by SHA, refused with
-    // NOSCRIPT, loaded and run: one SCRIPT LOAD per step proves the fallback ran.
-    let mut loads = script_loads(&mut raw).await;
+    // Each step runs right after a flush, so its script is sent by SHA, refused with
+    // NOSCRIPT and run with EVAL (unless the background reload the first NOSCRIPT started
+    // happened to land after the flush). The first one certainly falls back.
+    let before = evals(&mut raw).await;
     script_flush(&mut raw).await;
     let token = acquire(&store, "a").await;
-    let now = script_loads(&mut raw).await;
-    assert_eq!(now, loads + 1, "claim loaded its script after the flush");
-    loads = now;
+    assert_eq!(
+        evals(&mut raw).await,
+        before + 1,
+        "claim ran its script with EVAL after the flush"
+    );
 
     script_flush(&mut raw).await;
     assert_eq!(
@@ -270,8 +279,6 @@ async fn every_transition_survives_script_flush() {
         Transition::Applied
     );
 
-    // renew, complete, claim, claim, mark_ambiguous, claim, release: 7 more loads.
-    assert_eq!(script_loads(&mut raw).await, loads + 7);
     assert!(matches!(
         store.get(&key("b")).await.unwrap(),
         Some(Record::Ambiguous { .. })
@@ -358,7 +365,11 @@ async fn restarted_server_is_used_again_by_the_same_store() {
 
     server.restart();
     until_ping_succeeds(&store).await;
-    // The test server keeps nothing across a restart, so the key is free again.
+    // The test server keeps nothing across a restart: the store refuses to claim until the
+    // loss is acknowledged (see restart_without_persistence_refuses_claims_until_acknowledged),
+    // and then the key is free again.
+    assert!(claim(&store, "before").await.is_err());
+    assert!(store.acknowledge_data_loss().await.unwrap());
     acquire(&store, "before").await;
     acquire(&store, "after").await;
 }
@@ -473,13 +484,24 @@ async fn keys_carry_the_prefix_a_hash_tag_and_a_ttl() {
     let mut raw = raw(&server).await;
     acquire(&store, "prefixed").await;
 
-    let keys: Vec<String> = redis::cmd("KEYS")
+    let mut keys: Vec<String> = redis::cmd("KEYS")
         .arg("*")
         .query_async(&mut raw)
         .await
         .unwrap();
+    keys.sort();
     let expected = format!("idemgate-test:{{{}}}", key("prefixed").to_hex());
-    assert_eq!(keys, std::slice::from_ref(&expected));
+    // The record, and the data marker (without a TTL) beside the records.
+    assert_eq!(
+        keys,
+        ["idemgate-test:data-marker".to_owned(), expected.clone()]
+    );
+    let marker_ttl: i64 = redis::cmd("PTTL")
+        .arg("idemgate-test:data-marker")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(marker_ttl, -1, "the marker never expires");
     assert_eq!(store.redis_key(&key("prefixed")), expected.as_bytes());
 
     let kind: String = redis::cmd("TYPE")
@@ -499,7 +521,7 @@ async fn keys_carry_the_prefix_a_hash_tag_and_a_ttl() {
     let plain = connect(RedisStoreConfig::new(server.url())).await;
     acquire(&plain, "default").await;
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("idemgate:*")
+        .arg("idemgate:{*")
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -678,4 +700,344 @@ async fn records_written_by_something_else_are_errors_not_panics() {
     assert!(store.delete(&key("odd")).await.unwrap());
     assert!(store.delete(&key("bad-body")).await.unwrap());
     assert!(!store.delete(&key("never")).await.unwrap());
+}
+
+/// The layer in front of `store`, with `store_timeout` `FAULT_TIMEOUT` and a lease of twice
+/// that (the shortest a proxy accepts is 1.5 times), keeping ambiguous records.
+fn fault_layer(store: &RedisStore) -> IdempotencyLayer {
+    IdempotencyLayer::new(Arc::new(store.clone()))
+        .store_timeout(FAULT_TIMEOUT)
+        .default_route(
+            RoutePolicy::api()
+                .lease(FAULT_TIMEOUT * 2)
+                .unknown_outcome(UnknownOutcome::Ambiguous),
+        )
+}
+
+/// Sends one keyed POST through `layer` to an upstream that answers `201` and counts its calls.
+async fn send_keyed(layer: &IdempotencyLayer, calls: &Arc<AtomicUsize>, key: &str) -> StatusCode {
+    let calls = Arc::clone(calls);
+    let upstream = tower::service_fn(move |_req: http::Request<RequestBody<Full<Bytes>>>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async {
+            let mut response = http::Response::new(Full::new(Bytes::from_static(b"{}")));
+            *response.status_mut() = StatusCode::CREATED;
+            Ok::<_, std::convert::Infallible>(response)
+        }
+    });
+    let request = http::Request::post("/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"amount\":1}")))
+        .unwrap();
+    let response = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(upstream)
+        .oneshot(request)
+        .await
+        .unwrap();
+    response.status()
+}
+
+#[tokio::test]
+async fn claim_lost_after_script_flush_is_undone_and_the_retry_runs() {
+    let server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    let mut raw = raw(&server).await;
+    // After a flush (as after a restart or a failover) the claim script is cached again by
+    // the first claim; the release script that undoes a lost claim is not.
+    script_flush(&mut raw).await;
+    acquire(&store, "warm-up").await;
+    let layer = fault_layer(&store);
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    // Redis freezes: the claim is sent, its answer does not come within store_timeout (the
+    // client gets 503), and the claim lands once Redis thaws, between the second and the
+    // third store timeout: after the first undo attempt has given up, during the second.
+    let started = Instant::now();
+    server.pause();
+    let status = send_keyed(&layer, &calls, "lost-claim").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep_until((started + FAULT_TIMEOUT * 5 / 2).into()).await;
+    server.resume();
+
+    // Past the lease the claim would have, had it not been undone.
+    tokio::time::sleep(FAULT_TIMEOUT * 2 + FAULT_TIMEOUT / 2).await;
+    let retry = send_keyed(&layer, &calls, "lost-claim").await;
+    assert_eq!(
+        retry,
+        StatusCode::CREATED,
+        "the retry of a request that never ran must run (502 means the lost claim was never \
+         undone and lapsed into an ambiguous record)"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// How many scripts Redis has cached (`number_of_cached_scripts` in `INFO memory`).
+async fn cached_scripts(raw: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(raw)
+        .await
+        .expect("INFO memory");
+    info.lines()
+        .find_map(|line| line.strip_prefix("number_of_cached_scripts:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn scripts_are_loaded_again_when_the_store_reconnects() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    server.restart();
+    until_ping_succeeds(&store).await;
+
+    // Every transition script is cached again without waiting for its first use, so the
+    // first release after a restart is one round trip, not a NOSCRIPT and a reload.
+    let mut raw = raw(&server).await;
+    let mut cached = 0;
+    for _ in 0..100 {
+        cached = cached_scripts(&mut raw).await;
+        if cached >= 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(cached >= 5, "{cached} scripts cached after the reconnect");
+}
+
+/// The chain of `error`'s messages, outermost first.
+fn chain(error: &StoreError) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[tokio::test]
+async fn restart_without_persistence_refuses_claims_until_acknowledged() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    let token = acquire(&store, "kept").await;
+    let done = store
+        .complete(
+            &key("kept"),
+            token,
+            response(b"kept"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+
+    // The test server keeps nothing across a restart: the record is forgotten, and a retry
+    // of its request would run a second time if the store went on claiming.
+    server.restart();
+    until_ping_succeeds(&store).await;
+    let refused = claim(&store, "kept")
+        .await
+        .expect_err("a store that lost its records must refuse new claims");
+    assert!(
+        matches!(
+            refused,
+            StoreError::Unavailable {
+                backend: "redis",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    assert!(
+        chain(&refused).contains("lost its data"),
+        "{}",
+        chain(&refused)
+    );
+    assert!(
+        claim(&store, "new").await.is_err(),
+        "every new claim is refused"
+    );
+    let status = store.data_loss();
+    assert!(status.unacknowledged.is_some(), "{status:?}");
+    assert_eq!(status.detected, 1, "one loss, counted once");
+
+    // The operator acknowledges: claims are served again, and the loss stays counted.
+    assert!(store.acknowledge_data_loss().await.unwrap());
+    assert_eq!(store.data_loss().unacknowledged, None);
+    assert_eq!(store.data_loss().detected, 1);
+    acquire(&store, "kept").await;
+    assert!(
+        !store.acknowledge_data_loss().await.unwrap(),
+        "nothing left to acknowledge"
+    );
+}
+
+#[tokio::test]
+async fn data_loss_is_found_at_reconnect_and_replays_that_survive_are_served() {
+    let mut server = RedisServer::start();
+    let store = connect(fault_config(&server)).await;
+    server.restart();
+    until_ping_succeeds(&store).await;
+    // Found by the set-up that follows the reconnect, before any claim tries to acquire.
+    let mut found = false;
+    for _ in 0..100 {
+        if store.data_loss().unacknowledged.is_some() {
+            found = true;
+            break;
+        }
+        let _ = store.ping().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(found, "the reconnect found the marker gone");
+
+    // A record written after the loss (by another gateway, started after it, which adopts
+    // the marker it finds or writes) is still answered: only acquiring is refused.
+    let other = connect(config(&server)).await;
+    let token = acquire(&other, "after").await;
+    assert_eq!(
+        other
+            .complete(
+                &key("after"),
+                token,
+                response(b"after"),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap(),
+        Transition::Applied
+    );
+    assert_eq!(
+        claim(&store, "after").await.unwrap(),
+        Claim::Completed(Arc::new(response(b"after")))
+    );
+    assert!(claim(&store, "fresh").await.is_err());
+    // The marker the other gateway wrote is not the one this store expects.
+    assert!(store.data_loss().unacknowledged.is_some());
+    assert_eq!(other.data_loss().unacknowledged, None);
+    acquire(&other, "fresh").await;
+}
+
+#[tokio::test]
+async fn restart_with_appendonly_keeps_the_marker_and_serves() {
+    let mut server = RedisServer::start_with(&["--appendonly", "yes"]);
+    let store = connect(fault_config(&server)).await;
+    assert_eq!(
+        store.persistence(),
+        Some(Persistence::AppendOnly {
+            fsync: "everysec".to_owned()
+        })
+    );
+    let token = acquire(&store, "kept").await;
+    let done = store
+        .complete(
+            &key("kept"),
+            token,
+            response(b"kept"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+
+    server.restart();
+    until_ping_succeeds(&store).await;
+    assert_eq!(
+        claim(&store, "kept").await.unwrap(),
+        Claim::Completed(Arc::new(response(b"kept")))
+    );
+    acquire(&store, "new").await;
+    // Once more after the set-up that follows the reconnect has surely run.
+    let _ = store.ping().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    acquire(&store, "newer").await;
+    assert_eq!(store.data_loss().unacknowledged, None);
+    assert_eq!(store.data_loss().detected, 0);
+}
+
+#[tokio::test]
+async fn persistence_is_checked_at_connect() {
+    let volatile = RedisServer::start();
+    assert_eq!(
+        connect(config(&volatile)).await.persistence(),
+        Some(Persistence::NotAppendOnly)
+    );
+    let durable = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    assert_eq!(
+        connect(config(&durable)).await.persistence(),
+        Some(Persistence::AppendOnly {
+            fsync: "always".to_owned()
+        })
+    );
+    let managed = RedisServer::start_with(&["--rename-command", "CONFIG", ""]);
+    assert_eq!(
+        connect(config(&managed)).await.persistence(),
+        Some(Persistence::Unknown)
+    );
+}
+
+#[cfg(feature = "proxy")]
+#[tokio::test]
+async fn data_loss_is_acknowledged_through_the_admin_listener() {
+    use http_body_util::BodyExt;
+    use idemgate::proxy::admin::{AdminState, handle};
+    use idemgate::proxy::metrics::{InstrumentedStore, Metrics};
+
+    let mut server = RedisServer::start();
+    let redis = connect(fault_config(&server)).await;
+    let metrics = Metrics::new();
+    let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(
+        Arc::new(redis.clone()),
+        Arc::clone(&metrics),
+    ));
+    let state = Arc::new(AdminState {
+        store: Arc::clone(&store),
+        store_timeout: FAULT_TIMEOUT,
+        metrics,
+        stats: Arc::new(idemgate::LayerStats::default()),
+        token: Some("admin-token-0123456789".to_owned()),
+        routes: vec![RoutePolicy::default()],
+        draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    });
+    let admin = |method: &str, uri: &str| {
+        let state = Arc::clone(&state);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("authorization", "Bearer admin-token-0123456789")
+            .body(())
+            .unwrap();
+        async move {
+            let Ok(response) = handle(state, request).await;
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+
+    server.restart();
+    until_ping_succeeds(&redis).await;
+    assert!(claim(&redis, "x").await.is_err());
+    let (_, text) = admin("GET", "/metrics").await;
+    assert!(
+        text.contains("idemgate_store_data_lost{backend=\"redis\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemgate_store_data_losses_total{backend=\"redis\"} 1\n"),
+        "{text}"
+    );
+
+    let (status, body) = admin("POST", "/admin/store/acknowledge-data-loss").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"acknowledged\": true"), "{body}");
+    let (_, text) = admin("GET", "/metrics").await;
+    assert!(
+        text.contains("idemgate_store_data_lost{backend=\"redis\"} 0\n"),
+        "{text}"
+    );
+    acquire(&redis, "x").await;
 }

@@ -8,9 +8,10 @@
 //! | `/metrics` | GET | Prometheus text |
 //! | `/records/{hex}` | GET, DELETE | the record under that record key (64 hex digits, as `/keys` returns it; logs show its first 16) |
 //! | `/keys?route=NAME&key=KEY[&HEADER=VALUE…]` | GET, DELETE | the record a client's key maps to; every other query parameter is the value of one of the route's scope headers (`authorization=Bearer%20…`) |
+//! | `/admin/store/acknowledge-data-loss` | POST | accepts that the store's backend lost its records (see [`Store::data_loss`]), so it claims again; JSON `{"acknowledged": bool, …}` |
 //!
-//! The record endpoints need `Authorization: Bearer <admin_token>`; with no token configured
-//! they answer `404` and say how to enable them.
+//! The record endpoints and the acknowledgement need `Authorization: Bearer <admin_token>`;
+//! with no token configured they answer `404` and say how to enable them.
 //!
 //! Every error the listener answers is a problem response from [`crate::response`]
 //! (`unauthorized`, `bad-request`, `not-found`, `record-not-found`, `method-not-allowed`,
@@ -38,6 +39,8 @@ use crate::store::{Store, StoreError};
 const READ_ONLY: &[Method] = &[Method::GET];
 /// The methods the record endpoints serve.
 const RECORD_METHODS: &[Method] = &[Method::GET, Method::DELETE];
+/// The path of the data-loss acknowledgement.
+const ACKNOWLEDGE_DATA_LOSS: &str = "/admin/store/acknowledge-data-loss";
 
 /// What the admin endpoints read.
 pub struct AdminState {
@@ -86,12 +89,18 @@ pub async fn handle<B>(
                 Some(denied) => denied,
             }
         }
+        (&Method::POST, ACKNOWLEDGE_DATA_LOSS) => match refusal(&state, req.headers()) {
+            None => acknowledge_data_loss(&state).await,
+            Some(denied) => denied,
+        },
+        (_, ACKNOWLEDGE_DATA_LOSS) => problem(Problem::method_not_allowed(&[Method::POST])),
         (_, "/healthz" | "/readyz" | "/metrics") => problem(Problem::method_not_allowed(READ_ONLY)),
         (_, p) if p == "/keys" || p.starts_with("/records/") => {
             problem(Problem::method_not_allowed(RECORD_METHODS))
         }
         _ => problem(Problem::not_found(
-            "no such admin resource; see /healthz, /readyz, /metrics, /records/{hex}, /keys",
+            "no such admin resource; see /healthz, /readyz, /metrics, /records/{hex}, /keys, \
+             /admin/store/acknowledge-data-loss",
         )),
     };
     Ok(response)
@@ -120,6 +129,7 @@ fn metrics(state: &AdminState) -> Response<AdminBody> {
             unprotected_passes: state.stats.unprotected_passes(),
             in_flight: state.stats.in_flight(),
         },
+        &state.store.data_loss(),
     );
     let mut response = Response::new(Full::new(Bytes::from(body)));
     response.headers_mut().insert(
@@ -127,6 +137,40 @@ fn metrics(state: &AdminState) -> Response<AdminBody> {
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
     );
     response
+}
+
+/// `POST /admin/store/acknowledge-data-loss`: the operator accepts that the records the
+/// store's backend lost are gone; a store that refused claims for it claims again.
+async fn acknowledge_data_loss(state: &AdminState) -> Response<AdminBody> {
+    let loss = state.store.data_loss().unacknowledged;
+    let acknowledged =
+        tokio::time::timeout(state.store_timeout, state.store.acknowledge_data_loss()).await;
+    match acknowledged {
+        Err(_) => problem(Problem::admin_store_unavailable(
+            store_failure(state, None),
+            state.store_timeout,
+        )),
+        Ok(Err(error)) => problem(Problem::admin_store_unavailable(
+            store_failure(state, Some(&error)),
+            state.store_timeout,
+        )),
+        Ok(Ok(true)) => {
+            tracing::warn!(
+                found = loss.as_ref().map_or("", |l| l.what),
+                "store data loss acknowledged by operator"
+            );
+            json_response(json!({
+                "acknowledged": true,
+                "found": loss.as_ref().map(|l| l.what),
+                "detected_at_unix_ms": loss.as_ref().map(|l| unix_millis(l.detected_at)),
+                "detail": "the records the store lost are accepted as gone; new claims are served again",
+            }))
+        }
+        Ok(Ok(false)) => json_response(json!({
+            "acknowledged": false,
+            "detail": "the store had no data loss to acknowledge",
+        })),
+    }
 }
 
 /// The answer for a request that may not use the record endpoints, or `None` when it may.
@@ -524,6 +568,38 @@ mod tests {
         let r = call(&state(None, true), Method::GET, "/readyz", None).await;
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(slug(r).await, "not-ready");
+    }
+
+    #[tokio::test]
+    async fn data_loss_acknowledgement_needs_the_token_and_a_post() {
+        use http_body_util::BodyExt;
+        let s = state(Some(TOKEN), false);
+        let uri = "/admin/store/acknowledge-data-loss";
+        let r = call(&s, Method::POST, uri, None).await;
+        assert_eq!(slug(r).await, "unauthorized");
+        let r = call(&s, Method::GET, uri, Some(TOKEN)).await;
+        assert_eq!(r.headers()[http::header::ALLOW], "POST");
+        assert_eq!(slug(r).await, "method-not-allowed");
+        let r = call(&state(None, false), Method::POST, uri, Some(TOKEN)).await;
+        assert_eq!(slug(r).await, "not-found");
+
+        let r = call(&s, Method::POST, uri, Some(TOKEN)).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let body = r.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["acknowledged"], false, "{body}");
+
+        let r = call(&s, Method::GET, "/metrics", None).await;
+        let text = r.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8(text.to_vec()).unwrap();
+        assert!(
+            text.contains("idemgate_store_data_lost{backend=\"memory\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemgate_store_data_losses_total{backend=\"memory\"} 0\n"),
+            "{text}"
+        );
     }
 
     #[test]

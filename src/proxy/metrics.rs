@@ -15,7 +15,7 @@ use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 use crate::response::Decision;
-use crate::store::{Claim, ClaimOptions, Store, StoreError, Transition};
+use crate::store::{Claim, ClaimOptions, DataLossStatus, Store, StoreError, Transition};
 
 /// Upper bounds of the latency histogram buckets, in seconds.
 const BUCKETS: [f64; 14] = [
@@ -318,8 +318,14 @@ impl Metrics {
     }
 
     /// Writes every metric in the Prometheus text exposition format (version 0.0.4); the
-    /// store metrics are labelled with `backend` (the store's [`Store::backend`]).
-    pub fn render(&self, backend: &str, layer: LayerCounters) -> String {
+    /// store metrics are labelled with `backend` (the store's [`Store::backend`]), and
+    /// `data_loss` is the store's [`Store::data_loss`].
+    pub fn render(
+        &self,
+        backend: &str,
+        layer: LayerCounters,
+        data_loss: &DataLossStatus,
+    ) -> String {
         let mut out = String::with_capacity(8 * 1024);
         out.push_str(
             "# HELP idemgate_requests_total Requests handled, by route and the gateway's decision.\n\
@@ -395,6 +401,17 @@ impl Metrics {
                 op.as_str()
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP idemgate_store_data_lost 1 while the store refuses new claims because its backend lost the records it kept (a Redis restarted without persistence, say), until an operator acknowledges it (POST /admin/store/acknowledge-data-loss); 0 otherwise.\n\
+             # TYPE idemgate_store_data_lost gauge\n\
+             idemgate_store_data_lost{{backend=\"{backend}\"}} {}\n\
+             # HELP idemgate_store_data_losses_total Losses of the backend's data the store has found.\n\
+             # TYPE idemgate_store_data_losses_total counter\n\
+             idemgate_store_data_losses_total{{backend=\"{backend}\"}} {}",
+            u8::from(data_loss.unacknowledged.is_some()),
+            data_loss.detected,
+        );
         let gauges = [
             (
                 "idemgate_store_errors_total",
@@ -625,6 +642,14 @@ impl Store for InstrumentedStore {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+
+    fn data_loss(&self) -> DataLossStatus {
+        self.inner.data_loss()
+    }
+
+    async fn acknowledge_data_loss(&self) -> Result<bool, StoreError> {
+        self.inner.acknowledge_data_loss().await
+    }
 }
 
 #[cfg(test)]
@@ -659,6 +684,7 @@ mod tests {
                 in_flight: 4,
                 ..LayerCounters::default()
             },
+            &DataLossStatus::default(),
         );
         assert!(
             text.contains(
@@ -679,7 +705,11 @@ mod tests {
         configured.count_request("other", Decision::Executed);
         assert_eq!(configured.requests("pay\"ments", Decision::Executed), 1);
         assert_eq!(configured.requests("other", Decision::Executed), 1);
-        let text = configured.render("memory", LayerCounters::default());
+        let text = configured.render(
+            "memory",
+            LayerCounters::default(),
+            &DataLossStatus::default(),
+        );
         let other = text
             .find("idemgate_requests_total{route=\"other\",outcome=\"executed\"} 1\n")
             .expect("a route not configured is counted");

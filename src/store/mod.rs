@@ -24,7 +24,7 @@ mod redis;
 #[cfg(feature = "redb")]
 pub use self::redb::RedbStore;
 #[cfg(feature = "redis")]
-pub use self::redis::{EvictionPolicy, RedisStore, RedisStoreConfig};
+pub use self::redis::{EvictionPolicy, Persistence, RedisStore, RedisStoreConfig};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 
 /// A boxed error, the cause a backend keeps inside a [`StoreError`].
@@ -124,6 +124,28 @@ pub enum StoreError {
     },
 }
 
+/// What a store knows about records its backend lost behind its back (see
+/// [`Store::data_loss`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DataLossStatus {
+    /// Set from the moment a loss is found until an operator acknowledges it
+    /// ([`Store::acknowledge_data_loss`]); meanwhile the store refuses new claims.
+    pub unacknowledged: Option<DataLoss>,
+    /// How many losses this store has found since it was set up.
+    pub detected: u64,
+}
+
+/// One loss of data a store found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DataLoss {
+    /// When the store found it.
+    pub detected_at: std::time::SystemTime,
+    /// What it found, e.g. that its marker key vanished.
+    pub what: &'static str,
+}
+
 /// Decodes a completion `backend` stored in [`Completion::encode`]'s form; a failure is
 /// [`StoreError::Corrupt`].
 fn decode_completion(
@@ -216,6 +238,22 @@ pub trait Store: Send + Sync + 'static {
 
     /// Checks that the backend answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Whether the backend has lost records this store kept (a Redis restarted without
+    /// persistence, say), as far as the store can tell. While a loss is unacknowledged the
+    /// store refuses new claims (a retry of a forgotten request would run again); replays of
+    /// records that still exist are served. Backends that cannot lose records behind the
+    /// store's back (memory, redb) report nothing, the default.
+    fn data_loss(&self) -> DataLossStatus {
+        DataLossStatus::default()
+    }
+
+    /// An operator's acknowledgement of a data loss: the store accepts that the records it
+    /// lost are gone and claims again. Returns whether a loss was unacknowledged. The
+    /// default, for backends that report none, does nothing and returns `false`.
+    async fn acknowledge_data_loss(&self) -> Result<bool, StoreError> {
+        Ok(false)
+    }
 
     /// The backend's name for logs and metrics: `memory`, `redb`, `redis`.
     fn backend(&self) -> &'static str;

@@ -5,16 +5,18 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script, Value};
+use redis::{ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
 
 use super::{
-    BoxError, Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
+    BoxError, Claim, ClaimOptions, DataLoss, DataLossStatus, Store, StoreError, Transition,
+    UnknownOutcome, decode_completion,
 };
 use crate::record::{
     Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
@@ -93,6 +95,54 @@ pub enum EvictionPolicy {
     Unknown,
 }
 
+/// Whether Redis keeps its data across a restart, as read with `CONFIG GET appendonly` and
+/// `CONFIG GET appendfsync`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Persistence {
+    /// `appendonly yes`, with this `appendfsync` (`always`, `everysec` or `no`).
+    AppendOnly {
+        /// The `appendfsync` setting.
+        fsync: String,
+    },
+    /// `appendonly no`: a restart loses every record written since the last RDB snapshot
+    /// (every record, when snapshots are off), and their retries run again.
+    NotAppendOnly,
+    /// Redis refused `CONFIG GET` (a managed service, a renamed command, an ACL), or answered
+    /// something unexpected, so persistence could not be checked.
+    Unknown,
+}
+
+impl Persistence {
+    /// Reads the answers to `CONFIG GET appendonly` and `CONFIG GET appendfsync`.
+    fn from_config(appendonly: Option<&str>, appendfsync: Option<&str>) -> Self {
+        match (appendonly, appendfsync) {
+            (Some("yes"), Some(fsync)) => Self::AppendOnly {
+                fsync: fsync.to_owned(),
+            },
+            (Some("no"), _) => Self::NotAppendOnly,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// The warning to log for this setting, if it can lose records a restart should keep.
+    fn warning(&self) -> Option<&'static str> {
+        match self {
+            Self::NotAppendOnly => Some(
+                "redis does not persist idempotency records (appendonly is no): a restart loses \
+                 them and retries of their requests run a second time; set appendonly yes \
+                 (the store refuses claims after a loss it detects, until acknowledged)",
+            ),
+            Self::AppendOnly { fsync } if fsync == "no" => Some(
+                "redis leaves fsync of its append-only file to the OS (appendfsync is no): a \
+                 machine crash can lose tens of seconds of idempotency records, whose retries \
+                 then run a second time; set appendfsync always (or everysec)",
+            ),
+            Self::AppendOnly { .. } | Self::Unknown => None,
+        }
+    }
+}
+
 /// Records kept in Redis, shared by every gateway that points at the same server.
 ///
 /// Cloning is cheap and shares the connection.
@@ -110,9 +160,11 @@ pub enum EvictionPolicy {
 /// so one round trip and one atomic step in Redis. The scripts compare the owner token
 /// before they change anything, and nothing ever writes a record with a bare `SET`. Leases
 /// and expiry use Redis' own clock (`TIME` inside the scripts, relative `PEXPIRE`), never a
-/// gateway's, so gateways with skewed clocks still agree. Scripts are sent as `EVALSHA` and
-/// loaded on `NOSCRIPT` (after a restart, a failover or a `SCRIPT FLUSH`). Needs Redis 5 or
-/// newer (or a compatible server such as Valkey).
+/// gateway's, so gateways with skewed clocks still agree. Scripts are loaded at connect and
+/// again, in the background, after every reconnect, and sent as `EVALSHA`; one that meets
+/// `NOSCRIPT` anyway (a restart, a failover or a `SCRIPT FLUSH` not yet noticed) is run in the
+/// same call with `EVAL`, so a call is never cut off between loading its script and running
+/// it. Needs Redis 5 or newer (or a compatible server such as Valkey).
 ///
 /// # Configuring Redis for payments
 ///
@@ -128,7 +180,25 @@ pub enum EvictionPolicy {
 ///   when the disk is slow) if the machine or its OS dies; `appendfsync always` loses nothing
 ///   Redis acknowledged, at the cost of an `fsync` per write. For payment endpoints, prefer
 ///   `always`, or accept that after a machine crash a request acknowledged in its last second
-///   may run again.
+///   may run again. The store checks both settings at connect and after every reconnect
+///   ([`persistence`](RedisStore::persistence)) and logs a warning for `appendonly no` or
+///   `appendfsync no`.
+///
+/// # Data loss
+///
+/// Beside the records the store keeps a marker, `{key_prefix}data-marker`: a key without a
+/// TTL holding a random value, written by the first store to use the prefix and adopted by
+/// every store at its first contact. Whenever a claim is about to acquire a key, the claim
+/// script checks in the same round trip that the marker still holds the value this store
+/// adopted; the set-up after a reconnect checks it too. A marker gone or changed means Redis
+/// lost its records (a restart without persistence, a `FLUSHALL`, a failover to an empty
+/// replica): the store logs an error, reports it in [`data_loss`](RedisStore::data_loss),
+/// and refuses new claims with a [`StoreError::Unavailable`] until an operator calls
+/// [`acknowledge_data_loss`](RedisStore::acknowledge_data_loss) (the proxy's `POST
+/// /admin/store/acknowledge-data-loss`). Replays of records that still exist are served
+/// meanwhile. A store set up after the loss cannot tell it from a first start. The claim
+/// script's two keys (record and marker) are on different Redis Cluster slots: the store
+/// does not suit a Redis Cluster.
 ///
 /// # What a failover can still lose
 ///
@@ -166,6 +236,48 @@ pub struct RedisStore {
     timeout: Duration,
     display_url: Arc<str>,
     eviction_policy: Arc<Mutex<Option<EvictionPolicy>>>,
+    persistence: Arc<Mutex<Option<Persistence>>>,
+    sync: Arc<SyncState>,
+    marker: Arc<MarkerState>,
+}
+
+/// The data marker: a key without a TTL, `{key_prefix}data-marker`, holding a random value.
+/// The store adopts its value at first contact (writing one if there is none) and expects
+/// it from then on: a marker that vanished or changed means Redis lost the records this
+/// store kept (a restart without persistence, a `FLUSHALL`, a failover to an empty replica).
+#[derive(Debug)]
+struct MarkerState {
+    key: Vec<u8>,
+    /// The value this store expects; `None` before its first contact with Redis.
+    expected: Mutex<Option<Arc<[u8]>>>,
+    /// The loss found and not yet acknowledged; claims are refused meanwhile.
+    lost: Mutex<Option<DataLoss>>,
+    /// Losses found since the store was set up.
+    detected: AtomicU64,
+}
+
+/// The source of the [`StoreError::Unavailable`] a claim gets while a data loss is
+/// unacknowledged.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "redis at {url} lost its data ({what}); new claims are refused until an operator \
+     acknowledges the loss (POST /admin/store/acknowledge-data-loss, or \
+     RedisStore::acknowledge_data_loss)"
+)]
+struct DataLossError {
+    url: String,
+    what: &'static str,
+}
+
+/// Whether the per-connection set-up ([`RedisStore::sync`]: loading the scripts, checking
+/// the server's settings) is due, shared by every clone of a store.
+#[derive(Debug)]
+struct SyncState {
+    /// Set up front and after every failure that may mean a new connection (an I/O error, a
+    /// dropped connection, a timeout) or an emptied script cache (`NOSCRIPT`).
+    due: AtomicBool,
+    /// A background sync is running; at most one at a time.
+    running: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
@@ -208,7 +320,7 @@ impl RedisStore {
             Ok(Err(e)) => return Err(fail("cannot connect", Some(e.into()))),
             Err(_) => return Err(fail("timed out connecting", None)),
         }
-        store.check_eviction_policy().await?;
+        store.sync().await?;
         Ok(store)
     }
 
@@ -250,6 +362,7 @@ impl RedisStore {
             .set_number_of_retries(0);
         let connection = ConnectionManager::new_lazy_with_config(client, manager_config)
             .map_err(|e| fail("invalid connection settings", Some(e.into())))?;
+        let marker_key = [config.key_prefix.as_bytes(), b"data-marker"].concat();
         Ok(Self {
             connection,
             scripts: Arc::new(Scripts::new()),
@@ -257,39 +370,296 @@ impl RedisStore {
             timeout: config.timeout,
             display_url,
             eviction_policy: Arc::new(Mutex::new(None)),
+            sync: Arc::new(SyncState {
+                due: AtomicBool::new(true),
+                running: AtomicBool::new(false),
+            }),
+            marker: Arc::new(MarkerState {
+                key: marker_key,
+                expected: Mutex::new(None),
+                lost: Mutex::new(None),
+                detected: AtomicU64::new(0),
+            }),
+            persistence: Arc::new(Mutex::new(None)),
         })
     }
 
-    /// Reads Redis' `maxmemory-policy` now, logs a warning unless it is `noeviction`, and
-    /// remembers the answer for [`eviction_policy`](Self::eviction_policy).
-    pub async fn check_eviction_policy(&self) -> Result<EvictionPolicy, StoreError> {
+    /// What a (re)connected store does before anything else: loads every script, so the
+    /// first call of each after a restart, a failover or a `SCRIPT FLUSH` is one round trip
+    /// (a call that still meets `NOSCRIPT` falls back to `EVAL`, see
+    /// [`eval`](Self::eval)), and checks the server's eviction policy.
+    ///
+    /// Runs at [`connect`](Self::connect), on the first successful [`ping`](Store::ping)
+    /// of a lazy store, and in the background at the first call after any failure that may
+    /// have meant a new connection or an emptied script cache. Marked due again if it fails.
+    async fn sync(&self) -> Result<(), StoreError> {
+        self.sync.due.store(false, Ordering::Relaxed);
+        let result = self.sync_steps().await;
+        if result.is_err() {
+            self.sync.due.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+
+    async fn sync_steps(&self) -> Result<(), StoreError> {
+        let mut load = redis::pipe();
+        for script in self.scripts.all() {
+            load.cmd("SCRIPT").arg("LOAD").arg(script.code);
+        }
+        let mut connection = self.connection.clone();
+        let _: Vec<String> = self.run(load.query_async(&mut connection)).await?;
+        self.check_marker().await?;
+        self.check_persistence().await?;
+        self.check_eviction_policy().await?;
+        Ok(())
+    }
+
+    /// The data marker's value this store expects, adopting the one in Redis (or writing
+    /// one) at first contact.
+    async fn expected_marker(&self) -> Result<Arc<[u8]>, StoreError> {
+        if let Some(value) = self.marker_slot().clone() {
+            return Ok(value);
+        }
+        self.adopt_marker(false).await
+    }
+
+    fn marker_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<[u8]>>> {
+        self.marker
+            .expected
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Reads the marker, writing a fresh one if there is none, and expects its value from
+    /// now on. `acknowledging` says an operator asked for it; otherwise this is the store's
+    /// first contact, where a missing marker means a first start with this key prefix (or a
+    /// loss before this store started, which it cannot tell apart).
+    async fn adopt_marker(&self, acknowledging: bool) -> Result<Arc<[u8]>, StoreError> {
+        let fresh = format!("{:032x}", OwnerToken::generate().0);
+        let answer: Value = self
+            .run(self.eval(
+                &self.scripts.ensure_marker,
+                &[&self.marker.key],
+                &[fresh.as_bytes()],
+            ))
+            .await?;
+        let (created, value) = match answer {
+            Value::Array(items) => match items.as_slice() {
+                [Value::Int(created), Value::BulkString(value)] => (*created == 1, value.clone()),
+                _ => return Err(corrupt("unexpected data marker answer")),
+            },
+            _ => return Err(corrupt("unexpected data marker answer")),
+        };
+        let value: Arc<[u8]> = value.into();
+        let mut slot = self.marker_slot();
+        // A concurrent first contact may have adopted it already: the same value, as the
+        // marker is written only where there is none.
+        if acknowledging || slot.is_none() {
+            *slot = Some(Arc::clone(&value));
+            drop(slot);
+            if created && !acknowledging {
+                tracing::info!(
+                    redis = %self.display_url,
+                    marker = %String::from_utf8_lossy(&self.marker.key),
+                    "wrote the redis data marker: none was there (this key prefix's first use on \
+                     this redis, or a loss of data before this gateway started, which cannot be told apart)",
+                );
+            }
+        }
+        Ok(value)
+    }
+
+    /// Compares the marker in Redis with the one expected (adopting it at first contact);
+    /// a marker gone or changed is a data loss.
+    async fn check_marker(&self) -> Result<(), StoreError> {
+        let Some(expected) = self.marker_slot().clone() else {
+            self.adopt_marker(false).await?;
+            return Ok(());
+        };
+        let mut connection = self.connection.clone();
+        let found: Option<Vec<u8>> = self
+            .run(
+                redis::cmd("GET")
+                    .arg(&self.marker.key)
+                    .query_async(&mut connection),
+            )
+            .await?;
+        match found {
+            Some(value) if *value == *expected => {}
+            Some(_) => self.data_lost("the data marker key was replaced"),
+            None => self.data_lost("the data marker key is gone"),
+        }
+        Ok(())
+    }
+
+    /// Notes a data loss (logged and counted once until acknowledged).
+    fn data_lost(&self, what: &'static str) {
+        let mut lost = self
+            .marker
+            .lost
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if lost.is_some() {
+            return;
+        }
+        *lost = Some(DataLoss {
+            detected_at: std::time::SystemTime::now(),
+            what,
+        });
+        drop(lost);
+        self.marker.detected.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            redis = %self.display_url,
+            marker = %String::from_utf8_lossy(&self.marker.key),
+            found = what,
+            "redis lost its data (a restart without persistence, a FLUSHALL or a failover to an \
+             empty replica): requests it had recorded would run again, so new claims are refused \
+             (503) until an operator acknowledges the loss with POST /admin/store/acknowledge-data-loss \
+             (or RedisStore::acknowledge_data_loss); replays of records that still exist are served",
+        );
+    }
+
+    fn data_loss_error(&self) -> StoreError {
+        let what = self
+            .marker
+            .lost
+            .lock()
+            .ok()
+            .and_then(|lost| lost.as_ref().map(|l| l.what))
+            .unwrap_or("the data marker key is gone or was replaced");
+        StoreError::Unavailable {
+            backend: BACKEND,
+            source: Box::new(DataLossError {
+                url: self.display_url.to_string(),
+                what,
+            }),
+        }
+    }
+
+    /// Accepts, as an operator, that Redis lost the records this store kept: adopts the data
+    /// marker now in Redis (writing one if there is none) and claims again. Returns whether a
+    /// loss was unacknowledged. The proxy calls it for `POST
+    /// /admin/store/acknowledge-data-loss`.
+    ///
+    /// Every gateway that found the loss refuses claims until it is acknowledged on that
+    /// gateway: the acknowledgement is the store's, not Redis'.
+    pub async fn acknowledge_data_loss(&self) -> Result<bool, StoreError> {
+        self.adopt_marker(true).await?;
+        let was = self
+            .marker
+            .lost
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(loss) = &was {
+            tracing::warn!(
+                redis = %self.display_url,
+                found = loss.what,
+                "redis data loss acknowledged by an operator: claims are served again",
+            );
+        }
+        Ok(was.is_some())
+    }
+
+    /// The data loss this store found and that is not yet acknowledged, and how many it has
+    /// found.
+    pub fn data_loss(&self) -> DataLossStatus {
+        DataLossStatus {
+            unacknowledged: self.marker.lost.lock().ok().and_then(|l| l.clone()),
+            detected: self.marker.detected.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Reads `appendonly` and `appendfsync` now, logs a warning for a setting that can lose
+    /// records across a restart (see [`Persistence`]; once per answer, as for the eviction
+    /// policy), and remembers the answer for [`persistence`](Self::persistence).
+    pub async fn check_persistence(&self) -> Result<Persistence, StoreError> {
+        let appendonly = self.config_get("appendonly").await?;
+        let appendfsync = match appendonly {
+            Ok(_) => self.config_get("appendfsync").await?,
+            Err(()) => Err(()),
+        };
+        let persistence = match (appendonly, appendfsync) {
+            (Ok(only), Ok(fsync)) => Persistence::from_config(only.as_deref(), fsync.as_deref()),
+            _ => Persistence::Unknown,
+        };
+        if !remember(&self.persistence, &persistence) {
+            return Ok(persistence);
+        }
+        match (&persistence, persistence.warning()) {
+            (_, Some(warning)) => {
+                tracing::warn!(redis = %self.display_url, ?persistence, "{warning}")
+            }
+            (Persistence::Unknown, None) => tracing::info!(
+                redis = %self.display_url,
+                "cannot read redis appendonly/appendfsync (CONFIG GET refused); make sure \
+                 appendonly is yes (a redis restart without persistence loses idempotency \
+                 records; the store refuses claims after a loss it detects, until acknowledged)",
+            ),
+            _ => tracing::debug!(redis = %self.display_url, ?persistence, "redis persistence"),
+        }
+        Ok(persistence)
+    }
+
+    /// The persistence found by the last check, if one has run (when the eviction policy
+    /// is checked, see [`eviction_policy`](Self::eviction_policy)).
+    pub fn persistence(&self) -> Option<Persistence> {
+        self.persistence.lock().ok().and_then(|p| p.clone())
+    }
+
+    /// `CONFIG GET name`: the value, `Ok(None)` if Redis does not know it, `Err(())` if
+    /// Redis refused the command (often disabled on managed services); a failure to reach
+    /// Redis is the outer error.
+    async fn config_get(&self, name: &str) -> Result<Result<Option<String>, ()>, StoreError> {
         let mut connection = self.connection.clone();
         let answer = tokio::time::timeout(
             self.timeout,
             redis::cmd("CONFIG")
                 .arg("GET")
-                .arg("maxmemory-policy")
+                .arg(name)
                 .query_async::<HashMap<String, String>>(&mut connection),
         )
         .await
         .map_err(|_| self.timeout_error())?;
-        let policy = match answer {
-            Ok(map) => match map.get("maxmemory-policy").map(String::as_str) {
-                Some("noeviction") => EvictionPolicy::NoEviction,
-                Some(other) => EvictionPolicy::Evicting(other.to_owned()),
-                None => EvictionPolicy::Unknown,
-            },
-            // Redis answered, but refused: CONFIG is often disabled on managed services.
-            Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => {
-                tracing::info!(
-                    redis = %self.display_url,
-                    error = %e,
-                    "cannot read redis maxmemory-policy; make sure it is noeviction",
-                );
-                EvictionPolicy::Unknown
+        match answer {
+            Ok(mut map) => Ok(Ok(map.remove(name))),
+            Err(e) if matches!(e.kind(), ErrorKind::Server(_)) => {
+                tracing::debug!(redis = %self.display_url, error = %e, "redis refused CONFIG GET {name}");
+                Ok(Err(()))
             }
-            Err(e) => return Err(self.error(e)),
+            Err(e) => Err(self.error(e)),
+        }
+    }
+
+    /// Starts a background [`sync`](Self::sync) if one is due and none is running. Costs one
+    /// atomic load when none is due, so every call can ask.
+    fn sync_if_due(&self) {
+        if !self.sync.due.load(Ordering::Relaxed) || self.sync.running.swap(true, Ordering::Acquire)
+        {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = store.sync().await {
+                tracing::debug!(redis = %store.display_url, error = %crate::ErrorChain(&error), "redis set-up after a reconnect failed; retried with the next call");
+            }
+            store.sync.running.store(false, Ordering::Release);
+        });
+    }
+
+    /// Reads Redis' `maxmemory-policy` now, logs a warning unless it is `noeviction` (once
+    /// per answer: a check after a reconnect logs only if the answer changed), and remembers
+    /// the answer for [`eviction_policy`](Self::eviction_policy).
+    pub async fn check_eviction_policy(&self) -> Result<EvictionPolicy, StoreError> {
+        let policy = match self.config_get("maxmemory-policy").await? {
+            Ok(Some(name)) if name == "noeviction" => EvictionPolicy::NoEviction,
+            Ok(Some(name)) => EvictionPolicy::Evicting(name),
+            // Redis refused (CONFIG is often disabled on managed services) or did not know it.
+            Ok(None) | Err(()) => EvictionPolicy::Unknown,
         };
+        if !remember(&self.eviction_policy, &policy) {
+            return Ok(policy);
+        }
         match &policy {
             EvictionPolicy::NoEviction => {
                 tracing::debug!(redis = %self.display_url, "redis maxmemory-policy is noeviction");
@@ -301,10 +671,10 @@ impl RedisStore {
                  a retry of a request whose record was evicted runs a second time; \
                  set maxmemory-policy noeviction",
             ),
-            EvictionPolicy::Unknown => {}
-        }
-        if let Ok(mut slot) = self.eviction_policy.lock() {
-            *slot = Some(policy.clone());
+            EvictionPolicy::Unknown => tracing::info!(
+                redis = %self.display_url,
+                "cannot read redis maxmemory-policy (CONFIG GET refused); make sure it is noeviction",
+            ),
         }
         Ok(policy)
     }
@@ -326,33 +696,80 @@ impl RedisStore {
         out
     }
 
-    /// Runs one Redis call under the store timeout.
+    /// Runs one Redis call under the store timeout. A failure that may mean a new
+    /// connection (anything but an error reply from Redis) makes a [`sync`](Self::sync) due.
     async fn run<T>(
         &self,
         call: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, call).await {
+        self.sync_if_due();
+        let result = tokio::time::timeout(self.timeout, call).await;
+        match result {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(self.error(e)),
-            Err(_) => Err(self.timeout_error()),
+            Ok(Err(e)) => {
+                if !matches!(e.kind(), ErrorKind::Server(_)) {
+                    self.sync.due.store(true, Ordering::Relaxed);
+                }
+                Err(self.error(e))
+            }
+            Err(_) => {
+                self.sync.due.store(true, Ordering::Relaxed);
+                Err(self.timeout_error())
+            }
+        }
+    }
+
+    /// Runs `script` with `keys` and `args`: `EVALSHA`, and on `NOSCRIPT` (Redis restarted,
+    /// failed over or had its cache flushed) the script itself with `EVAL`, which runs it in
+    /// the same step and caches it again. One extra round trip, never a separate load that a
+    /// timeout could cut off between loading and running; the other scripts are then
+    /// reloaded in the background by a [`sync`](Self::sync).
+    async fn eval<T: FromRedisValue>(
+        &self,
+        script: &LuaScript,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> redis::RedisResult<T> {
+        let command = |verb: &str, body: &str| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(body).arg(keys.len());
+            for key in keys {
+                cmd.arg(*key);
+            }
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd
+        };
+        let mut connection = self.connection.clone();
+        match command("EVALSHA", &script.sha)
+            .query_async(&mut connection)
+            .await
+        {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.sync.due.store(true, Ordering::Relaxed);
+                command("EVAL", script.code)
+                    .query_async(&mut connection)
+                    .await
+            }
+            answer => answer,
         }
     }
 
     /// Runs one fenced transition script with ARGV `token`, then `args`; `1` means applied.
     async fn transition(
         &self,
-        script: &Script,
+        script: &LuaScript,
         key: &RecordKey,
         token: OwnerToken,
         args: &[&[u8]],
     ) -> Result<Transition, StoreError> {
-        let mut invocation = script.key(self.redis_key(key));
-        invocation.arg(&token.0.to_be_bytes()[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        let mut connection = self.connection.clone();
-        let applied: i64 = self.run(invocation.invoke_async(&mut connection)).await?;
+        let record = self.redis_key(key);
+        let token_bytes = token.0.to_be_bytes();
+        let mut all: Vec<&[u8]> = Vec::with_capacity(args.len() + 1);
+        all.push(&token_bytes[..]);
+        all.extend_from_slice(args);
+        let applied: i64 = self.run(self.eval(script, &[&record], &all)).await?;
         Ok(if applied == 1 {
             Transition::Applied
         } else {
@@ -378,6 +795,17 @@ impl RedisStore {
             after: self.timeout,
         }
     }
+}
+
+/// Stores `value` in `slot`; true if it differs from what was there (so it is worth a log
+/// line).
+fn remember<T: Clone + PartialEq>(slot: &Mutex<Option<T>>, value: &T) -> bool {
+    let mut slot = slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let changed = slot.as_ref() != Some(value);
+    *slot = Some(value.clone());
+    changed
 }
 
 /// A [`StoreError::Unavailable`] for a store that could not be set up or reach Redis at
@@ -408,16 +836,36 @@ impl Store for RedisStore {
             UnknownOutcome::Ambiguous => b"a",
             UnknownOutcome::Retry => b"r",
         };
-        let mut invocation = self.scripts.claim.key(self.redis_key(key));
-        invocation
-            .arg(&fingerprint.0[..])
-            .arg(&token.0.to_be_bytes()[..])
-            .arg(lease.as_bytes())
-            .arg(ttl.as_bytes())
-            .arg(on_lapse);
-        let mut connection = self.connection.clone();
-        let answer: Value = self.run(invocation.invoke_async(&mut connection)).await?;
-        decode_claim(answer, token)
+        let marker = self.expected_marker().await?;
+        let record = self.redis_key(key);
+        let token_bytes = token.0.to_be_bytes();
+        let args: [&[u8]; 6] = [
+            &fingerprint.0[..],
+            &token_bytes[..],
+            lease.as_bytes(),
+            ttl.as_bytes(),
+            on_lapse,
+            &marker,
+        ];
+        let answer: Value = self
+            .run(self.eval(&self.scripts.claim, &[&record, &self.marker.key], &args))
+            .await?;
+        match decode_claim(answer, token) {
+            Err(ClaimAnswer::DataLost) => {
+                // Unless an acknowledgement adopted a new marker while this claim was on its
+                // way with the old one.
+                if self
+                    .marker_slot()
+                    .as_ref()
+                    .is_some_and(|now| Arc::ptr_eq(now, &marker))
+                {
+                    self.data_lost("the data marker key is gone or was replaced");
+                }
+                Err(self.data_loss_error())
+            }
+            Err(ClaimAnswer::Error(e)) => Err(e),
+            Ok(claim) => Ok(claim),
+        }
     }
 
     async fn complete(
@@ -490,7 +938,8 @@ impl Store for RedisStore {
         self.run(redis::cmd("PING").query_async::<()>(&mut connection))
             .await?;
         if self.eviction_policy().is_none() {
-            self.check_eviction_policy().await?;
+            // A lazy store's first contact: set up now, so readiness reports its outcome.
+            self.sync().await?;
         }
         Ok(())
     }
@@ -498,17 +947,41 @@ impl Store for RedisStore {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+
+    fn data_loss(&self) -> DataLossStatus {
+        RedisStore::data_loss(self)
+    }
+
+    async fn acknowledge_data_loss(&self) -> Result<bool, StoreError> {
+        RedisStore::acknowledge_data_loss(self).await
+    }
 }
 
 /// The transition scripts. Each that needs the time reads Redis' clock with `TIME` (see
 /// `lua_now!`), and each sets expiry with relative `PEXPIRE`, so no gateway clock is
 /// involved.
 struct Scripts {
-    claim: Script,
-    complete: Script,
-    release: Script,
-    renew: Script,
-    mark_ambiguous: Script,
+    claim: LuaScript,
+    complete: LuaScript,
+    release: LuaScript,
+    renew: LuaScript,
+    mark_ambiguous: LuaScript,
+    ensure_marker: LuaScript,
+}
+
+/// One script: its text, for `EVAL` and `SCRIPT LOAD`, and its SHA1, for `EVALSHA`.
+struct LuaScript {
+    code: &'static str,
+    sha: String,
+}
+
+impl LuaScript {
+    fn new(code: &'static str) -> Self {
+        Self {
+            code,
+            sha: redis::Script::new(code).get_hash().to_owned(),
+        }
+    }
 }
 
 /// Lua: Redis' clock now, in Unix ms as a number (`now`) and as a decimal string (`now_s`).
@@ -532,9 +1005,12 @@ if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
     };
 }
 
-/// KEYS[1] record. ARGV: fingerprint, token, lease ms, ttl ms, on_lapse (`a` | `r`).
+/// KEYS[1] record, KEYS[2] data marker. ARGV: fingerprint, token, lease ms, ttl ms, on_lapse
+/// (`a` | `r`), the marker value expected.
 /// Returns {0} acquired, {1, lease ms left} in flight, {2, completion} completed,
-/// {3} ambiguous, {4} mismatch, {5} a record this store cannot read.
+/// {3} ambiguous, {4} mismatch, {5} a record this store cannot read, {6} not acquired because
+/// the marker is gone or changed (Redis lost its data). Only acquiring checks the marker: a
+/// record that still exists is answered as usual.
 const CLAIM: &str = concat!(
     "local key = KEYS[1]\n",
     lua_now!(),
@@ -560,6 +1036,7 @@ elseif state == 'f' then
   end
 end
 if not state then
+  if redis.call('GET', KEYS[2]) ~= ARGV[6] then return {6} end
   if rec[1] then redis.call('DEL', key) end
   redis.call('HSET', key, 's', 'f', 'fp', ARGV[1], 'tok', ARGV[2], 'ld', string.format('%.0f', now + tonumber(ARGV[3])))
   redis.call('PEXPIRE', key, ARGV[4])
@@ -575,6 +1052,14 @@ if state == 'a' then return {3} end
 return {5}
 "
 );
+
+/// KEYS[1] data marker. ARGV: a fresh value. Writes it (without a TTL) if there is no marker.
+/// Returns {1, value} written, {0, value} the marker that was there.
+const ENSURE_MARKER: &str = r"local v = redis.call('GET', KEYS[1])
+if v then return {0, v} end
+redis.call('SET', KEYS[1], ARGV[1])
+return {1, ARGV[1]}
+";
 
 /// KEYS[1] record. ARGV: token, completion, ttl ms. Returns 1 applied, 0 fenced.
 const COMPLETE: &str = concat!(
@@ -621,12 +1106,24 @@ return 1
 impl Scripts {
     fn new() -> Self {
         Self {
-            claim: Script::new(CLAIM),
-            complete: Script::new(COMPLETE),
-            release: Script::new(RELEASE),
-            renew: Script::new(RENEW),
-            mark_ambiguous: Script::new(MARK_AMBIGUOUS),
+            claim: LuaScript::new(CLAIM),
+            complete: LuaScript::new(COMPLETE),
+            release: LuaScript::new(RELEASE),
+            renew: LuaScript::new(RENEW),
+            mark_ambiguous: LuaScript::new(MARK_AMBIGUOUS),
+            ensure_marker: LuaScript::new(ENSURE_MARKER),
         }
+    }
+
+    fn all(&self) -> [&LuaScript; 6] {
+        [
+            &self.claim,
+            &self.complete,
+            &self.release,
+            &self.renew,
+            &self.mark_ambiguous,
+            &self.ensure_marker,
+        ]
     }
 }
 
@@ -644,14 +1141,28 @@ fn corrupt(what: &'static str) -> StoreError {
     }
 }
 
-fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, StoreError> {
+/// Why a claim answer is not a [`Claim`].
+#[derive(Debug)]
+enum ClaimAnswer {
+    /// The script refused to acquire: the data marker is gone or changed.
+    DataLost,
+    Error(StoreError),
+}
+
+impl From<StoreError> for ClaimAnswer {
+    fn from(e: StoreError) -> Self {
+        Self::Error(e)
+    }
+}
+
+fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, ClaimAnswer> {
     let Value::Array(items) = answer else {
-        return Err(corrupt("unexpected claim answer"));
+        return Err(corrupt("unexpected claim answer").into());
     };
     let mut items = items.into_iter();
     let code = match items.next() {
         Some(Value::Int(code)) => code,
-        _ => return Err(corrupt("unexpected claim answer")),
+        _ => return Err(corrupt("unexpected claim answer").into()),
     };
     match (code, items.next()) {
         (0, None) => Ok(Claim::Acquired(token)),
@@ -664,8 +1175,9 @@ fn decode_claim(answer: Value, token: OwnerToken) -> Result<Claim, StoreError> {
         )?))),
         (3, None) => Ok(Claim::Ambiguous),
         (4, None) => Ok(Claim::Mismatch),
-        (5, None) => Err(corrupt("record with missing or unknown fields")),
-        _ => Err(corrupt("unexpected claim answer")),
+        (5, None) => Err(corrupt("record with missing or unknown fields").into()),
+        (6, None) => Err(ClaimAnswer::DataLost),
+        _ => Err(corrupt("unexpected claim answer").into()),
     }
 }
 
@@ -836,6 +1348,40 @@ mod tests {
     }
 
     #[test]
+    fn persistence_that_can_lose_records_is_warned_about() {
+        let read = Persistence::from_config;
+        assert_eq!(
+            read(Some("no"), Some("everysec")),
+            Persistence::NotAppendOnly
+        );
+        assert_eq!(read(Some("no"), None), Persistence::NotAppendOnly);
+        assert_eq!(
+            read(Some("yes"), Some("always")),
+            Persistence::AppendOnly {
+                fsync: "always".to_owned()
+            }
+        );
+        assert_eq!(read(None, None), Persistence::Unknown);
+        assert_eq!(read(Some("yes"), None), Persistence::Unknown);
+        assert_eq!(read(Some("maybe"), Some("always")), Persistence::Unknown);
+
+        assert!(read(Some("no"), Some("always")).warning().is_some());
+        assert!(read(Some("yes"), Some("no")).warning().is_some());
+        assert!(read(Some("yes"), Some("everysec")).warning().is_none());
+        assert!(read(Some("yes"), Some("always")).warning().is_none());
+        assert!(Persistence::Unknown.warning().is_none());
+    }
+
+    #[test]
+    fn a_refused_acquisition_is_a_data_loss() {
+        let token = OwnerToken::generate();
+        assert!(matches!(
+            decode_claim(Value::Array(vec![Value::Int(6)]), token),
+            Err(ClaimAnswer::DataLost)
+        ));
+    }
+
+    #[test]
     fn unexpected_claim_answers_are_corrupt() {
         let token = OwnerToken::generate();
         assert_eq!(
@@ -849,10 +1395,11 @@ mod tests {
             Value::Array(vec![Value::Int(2), Value::Int(1)]),
             Value::Array(vec![Value::Int(2), Value::BulkString(vec![0xff])]),
             Value::Array(vec![Value::Int(5)]),
+            Value::Array(vec![Value::Int(6), Value::Int(1)]),
         ] {
             assert!(matches!(
                 decode_claim(answer, token),
-                Err(StoreError::Corrupt { .. })
+                Err(ClaimAnswer::Error(StoreError::Corrupt { .. }))
             ));
         }
     }

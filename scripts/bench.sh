@@ -13,6 +13,9 @@
 #   WRITE=1          write the results into BENCHMARKS.md (0: print only)
 #   SETTLE_MAX=20    most seconds to wait, before each run, for the servers to go quiet
 #   RECORD_TTL=5s    ttl of the new keys' records
+#   BASELINE=        another idemgate binary (e.g. built from an earlier commit) to run beside
+#                    this build: a second gateway per store, measured in the same rounds, and a
+#                    table of this build ÷ the baseline, case by case
 #
 # It installs Debian's nginx and wrk when missing (and redis-server through .ci/install-deps),
 # starts everything it measures on free loopback ports from a temporary directory, and stops
@@ -35,6 +38,7 @@ WRITE=${WRITE:-1}
 SETTLE_MAX=${SETTLE_MAX:-20}
 # Records of the new-keys cases expire quickly, so memory stays bounded however fast they come.
 RECORD_TTL=${RECORD_TTL:-5s}
+BASELINE=${BASELINE:-}
 
 NAME=bench
 # shellcheck source=scripts/lib.sh
@@ -153,20 +157,31 @@ esac
 # under their own route for the whole run, so every measured replay finds its record.
 write_gateway_config "$RECORD_TTL"
 declare -A GATEWAY GATEWAY_PID
-for store in $STORES; do
+# start_gateway KEY BINARY STORE: one gateway, its address in GATEWAY[KEY].
+start_gateway() {
+    local key=$1 bin=$2 store=$3 spec
     case $store in
     memory) spec=memory ;;
-    redb) spec="redb:$TMP/records.redb" ;;
+    redb) spec="redb:$TMP/records-$key.redb" ;;
     redis) spec=$REDIS_URL ;;
     *) die "unknown store $store (memory, redb, redis)" ;;
     esac
-    IDEMGATE_LOG=warn "${PIN[@]}" "$BIN/idemgate" --config "$TMP/idemgate.toml" \
+    IDEMGATE_LOG=warn "${PIN[@]}" "$bin" --config "$TMP/idemgate.toml" \
         --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" \
-        --store "$spec" >"$TMP/idemgate-$store.out" 2>&1 &
-    PIDS+=($!); GATEWAY_PID[$store]=$!
-    line=$(wait_line "$TMP/idemgate-$store.out" '^idemgate listening on ' "idemgate --store $store")
-    GATEWAY[$store]=$(echo "$line" | awk '{print $4}')
-    log "idemgate ($store) on ${GATEWAY[$store]}"
+        --store "$spec" >"$TMP/idemgate-$key.out" 2>&1 &
+    PIDS+=($!); GATEWAY_PID[$key]=$!
+    line=$(wait_line "$TMP/idemgate-$key.out" '^idemgate listening on ' "idemgate $key")
+    GATEWAY[$key]=$(echo "$line" | awk '{print $4}')
+    log "idemgate $key on ${GATEWAY[$key]}"
+}
+if [ -n "$BASELINE" ]; then
+    [ -x "$BASELINE" ] || die "BASELINE=$BASELINE is not an executable idemgate binary"
+    # The two builds share one Redis: their records differ by key, never by prefix.
+    case " $STORES " in *" redis "*) log "baseline and this build share redis-server; keys differ per run" ;; esac
+fi
+for store in $STORES; do
+    start_gateway "$store" "$BIN/idemgate" "$store"
+    [ -z "$BASELINE" ] || start_gateway "base_$store" "$BASELINE" "$store"
 done
 
 # --- cases -----------------------------------------------------------------------------------
@@ -178,9 +193,14 @@ CASES=(
 )
 first_store=${STORES%% *}
 CASES+=("pass|idemgate pass-through|http://${GATEWAY[$first_store]}/v1/payments|post|${GATEWAY_PID[$first_store]}")
+[ -z "$BASELINE" ] || CASES+=("base_pass|baseline pass-through|http://${GATEWAY[base_$first_store]}/v1/payments|post|${GATEWAY_PID[base_$first_store]}")
 for store in $STORES; do
-    CASES+=("new_$store|new keys, $store|http://${GATEWAY[$store]}/v1/payments|new_keys|${GATEWAY_PID[$store]}")
-    CASES+=("replay_$store|replays, $store|http://${GATEWAY[$store]}/replay/v1/payments|replays|${GATEWAY_PID[$store]}")
+    for key in "$store" ${BASELINE:+"base_$store"}; do
+        prefix=${key%"$store"}
+        label=${prefix:+baseline }
+        CASES+=("${prefix}new_$store|${label}new keys, $store|http://${GATEWAY[$key]}/v1/payments|new_keys|${GATEWAY_PID[$key]}")
+        CASES+=("${prefix}replay_$store|${label}replays, $store|http://${GATEWAY[$key]}/replay/v1/payments|replays|${GATEWAY_PID[$key]}")
+    done
 done
 
 # CPU ticks (user + system) a process has used so far.
@@ -232,7 +252,7 @@ run_case() {
     before=$(busy_ticks "$pid")
     stolen_before=$(steal_ticks)
     out=$(taskset -c "$LOAD_CPU" wrk -t"$THREADS" -c"$CONNECTIONS" -d"${secs}s" --latency \
-        -s "$ROOT/scripts/$script.lua" "$url" -- "$run" 2>&1) || die "wrk failed on $label: $out"
+        -s "$ROOT/scripts/$script.lua" "$url" -- "$run-$name" 2>&1) || die "wrk failed on $label: $out"
     stolen_after=$(steal_ticks)
     after=$(busy_ticks "$pid")
     [ -n "$record" ] || return 0
@@ -332,6 +352,21 @@ REPORT="$TMP/report.md"
     [ -z "${RPS[new_redb]:-}" ] || [ -z "${RPS[new_memory]:-}" ] || target "new keys, redb ÷ new keys, memory" new_redb new_memory 0.5
     [ -z "${RPS[new_redis]:-}" ] || target "new keys, redis ÷ nginx pass-through" new_redis nginx_proxy 0.35
     [ -z "${RPS[replay_redis]:-}" ] || target "replays, redis ÷ nginx pass-through" replay_redis nginx_proxy 0.7
+    if [ -n "$BASELINE" ]; then
+        echo
+        echo "This build against the baseline ($BASELINE), judged the same way: within 5 % means ≥ 0.95×."
+        echo
+        echo "| this build ÷ baseline | median by round | by round | ratio of medians | CPU µs/req, this build / baseline | within 5 % |"
+        echo "| --- | ---: | ---: | ---: | ---: | --- |"
+        for spec in "${CASES[@]}"; do
+            IFS='|' read -r name label _ <<<"$spec"
+            case $name in base_* | direct | nginx_*) continue ;; esac
+            r=$(round_ratios "$name" "base_$name" | median_of | awk '{ printf "%.2f", $1 }')
+            printf '| %s | %s× | %s | %s | %.1f / %.1f | %s |\n' "$label" "$r" "$(by_round "$name" "base_$name")" \
+                "$(ratio "${RPS[$name]}" "${RPS[base_$name]}")" "$(median "$name" 5)" "$(median "base_$name" 5)" \
+                "$(awk -v r="$r" 'BEGIN { print (r >= 0.95) ? "yes" : "**no**" }')"
+        done
+    fi
 } >"$REPORT"
 
 echo

@@ -11,6 +11,9 @@
 #   WARMUP=6         seconds of load before counting      RECORD_TTL=5s   ttl of new keys' records
 #   CACHE=0          1: also simulate the data caches and count the misses per request
 #   KEEP=            a directory: keep each case's callgrind dump there, for callgrind_annotate
+#   STORE=memory     the gateway's store: memory or redb (a file in the run's directory)
+#   IDEMGATE=        an idemgate binary to count instead of this build's (e.g. one built from
+#                    an earlier commit: run the script twice to compare the two)
 #
 # With CACHE=1 callgrind simulates a 32 KiB first-level data cache and a 512 KiB, 8-way last
 # level (this machine's second level per core, past which a load goes to the shared L3 or to
@@ -141,7 +144,15 @@ requests=$(awk '/requests in/ {print $1}' "$TMP/wrk-floor.out")
 row "upstream alone (hyper)" "$requests" "$dump"
 stop_pid "$FLOOR_PID"
 
-# --- idemgate, memory store ----------------------------------------------------------------
+# --- idemgate --------------------------------------------------------------------------------
+STORE=${STORE:-memory}
+IDEMGATE=${IDEMGATE:-$BIN/idemgate}
+[ -x "$IDEMGATE" ] || die "IDEMGATE=$IDEMGATE is not an executable idemgate binary"
+case $STORE in
+memory) STORE_SPEC=memory ;;
+redb) STORE_SPEC="redb:$TMP/records.redb" ;;
+*) die "STORE=$STORE: memory or redb" ;;
+esac
 start_upstream "$SERVER_CPU"
 write_gateway_config "$RECORD_TTL"
 
@@ -156,8 +167,8 @@ for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
     "replays|/replay/v1/payments|replays"; do
     IFS='|' read -r label path script <<<"$case"
     IDEMGATE_LOG=warn "${PIN[@]}" "${CALLGRIND[@]}" --callgrind-out-file="$TMP/cg.%p" \
-        "$BIN/idemgate" --config "$TMP/idemgate.toml" --listen 127.0.0.1:0 \
-        --admin-listen 127.0.0.1:0 --store memory >"$TMP/idemgate.out" 2>&1 &
+        "$IDEMGATE" --config "$TMP/idemgate.toml" --listen 127.0.0.1:0 \
+        --admin-listen 127.0.0.1:0 --store "$STORE_SPEC" >"$TMP/idemgate.out" 2>&1 &
     PIDS+=($!); pid=$!
     line=$(wait_line "$TMP/idemgate.out" '^idemgate listening on ' "idemgate under callgrind")
     gateway=$(echo "$line" | awk '{print $4}')
@@ -168,7 +179,7 @@ for case in "pass-through|/v1/payments|post" "new keys|/v1/payments|new_keys" \
     before=$(answered "$admin")
     dump=$(measure "$pid" "http://$gateway$path" "$script" "$TMP/wrk.out" "${label// /-}")
     after=$(answered "$admin")
-    row "idemgate $label" $((after - before)) "$dump"
+    row "idemgate $label ($STORE)" $((after - before)) "$dump"
     stop_pid "$pid"
     rm -f "$TMP"/cg."$pid"*
 done

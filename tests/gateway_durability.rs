@@ -760,3 +760,12 @@ async fn redb_leases_ignore_a_wall_clock_step() {
 async fn memory_leases_ignore_a_wall_clock_step() {
     a_wall_clock_step_does_not_lapse_a_running_lease("memory").await;
 }
+
+/// The Redis store judges leases on the Redis server's clock: a step of the gateway's does
+/// not move them.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_leases_ignore_a_gateway_wall_clock_step() {
+    let redis = redis_server::RedisServer::start_with(&["--appendonly", "yes"]);
+    a_wall_clock_step_does_not_lapse_a_running_lease(&redis.url()).await;
+}

@@ -709,6 +709,11 @@ fn malformed_target_or_host<B>(req: &Request<B>) -> Option<Problem> {
     if host.is_empty() {
         return None;
     }
+    // Nearly every Host is a name or an IPv4 address, with or without a port: accepted as
+    // such without the full parse, which copies the value into an `Authority` of its own.
+    if req.version() != http::Version::HTTP_2 && is_plain_host_and_port(host) {
+        return None;
+    }
     // An authority without userinfo: `host[:port]`.
     let Some(authority) = (!host.contains(&b'@'))
         .then(|| http::uri::Authority::try_from(host).ok())
@@ -726,6 +731,23 @@ fn malformed_target_or_host<B>(req: &Request<B>) -> Option<Problem> {
         ));
     }
     None
+}
+
+/// Whether `host` is a registered name or IPv4 address (letters, digits, `.` and `-`, not
+/// empty) with at most one `:` and then a port of one to five digits: a valid `host[:port]`
+/// of the kind nearly every request sends. Anything else (an IPv6 literal, percent-encoding,
+/// sub-delimiters) goes to the full parse.
+fn is_plain_host_and_port(host: &[u8]) -> bool {
+    let (name, port) = match host.iter().position(|&b| b == b':') {
+        Some(colon) => (&host[..colon], Some(&host[colon + 1..])),
+        None => (host, None),
+    };
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        && port
+            .is_none_or(|port| (1..=5).contains(&port.len()) && port.iter().all(u8::is_ascii_digit))
 }
 
 /// Removes the request fields whose names contain `_`, before the layer or the upstream sees
@@ -1006,6 +1028,35 @@ mod tests {
             req = req.header(http::header::HOST, *host);
         }
         req.body(()).unwrap()
+    }
+
+    /// The fast path for a plain `host[:port]` never accepts what the full parse refuses.
+    #[test]
+    fn a_plain_host_is_one_the_full_parse_takes() {
+        for host in [
+            "api.example",
+            "api.example:8080",
+            "127.0.0.1:1",
+            "a-b.c:65535",
+            "x:0",
+            "a:99999",
+        ] {
+            assert!(http::uri::Authority::try_from(host).is_ok(), "{host}");
+            assert!(is_plain_host_and_port(host.as_bytes()), "{host}");
+        }
+        for host in [
+            "", ":80", "a:", "a:123456", "a:8o", "a b", "[::1]", "a@b", "a/b", "a:1:2",
+        ] {
+            assert!(!is_plain_host_and_port(host.as_bytes()), "{host}");
+        }
+        proptest::proptest!(|(host in "[a-zA-Z0-9.:\\-]{0,12}")| {
+            if is_plain_host_and_port(host.as_bytes()) {
+                proptest::prop_assert!(
+                    http::uri::Authority::try_from(host.as_bytes()).is_ok(),
+                    "{}", host
+                );
+            }
+        });
     }
 
     #[test]

@@ -146,14 +146,8 @@ async fn acknowledge_data_loss(state: &AdminState) -> Response<AdminBody> {
     let acknowledged =
         tokio::time::timeout(state.store_timeout, state.store.acknowledge_data_loss()).await;
     match acknowledged {
-        Err(_) => problem(Problem::admin_store_unavailable(
-            store_failure(state, None),
-            state.store_timeout,
-        )),
-        Ok(Err(error)) => problem(Problem::admin_store_unavailable(
-            store_failure(state, Some(&error)),
-            state.store_timeout,
-        )),
+        Err(_) => store_unavailable(state, None),
+        Ok(Err(error)) => store_unavailable(state, Some(&error)),
         Ok(Ok(true)) => {
             tracing::warn!(
                 found = loss.as_ref().map_or("", |l| l.what),
@@ -298,14 +292,8 @@ async fn record(state: &AdminState, method: &Method, key: RecordKey) -> Response
         }
     };
     match tokio::time::timeout(state.store_timeout, call).await {
-        Err(_) => problem(Problem::admin_store_unavailable(
-            store_failure(state, None),
-            state.store_timeout,
-        )),
-        Ok(Err(error)) => problem(Problem::admin_store_unavailable(
-            store_failure(state, Some(&error)),
-            state.store_timeout,
-        )),
+        Err(_) => store_unavailable(state, None),
+        Ok(Err(error)) => store_unavailable(state, Some(&error)),
         Ok(Ok(None)) => problem(Problem::record_not_found(&key)),
         Ok(Ok(Some(None))) => {
             tracing::info!(record = %key.short(), "record deleted by operator");
@@ -392,6 +380,14 @@ fn text(body: &'static str) -> Response<AdminBody> {
 
 fn problem(problem: Problem) -> Response<AdminBody> {
     problem.into_response().map(Full::new)
+}
+
+/// `503` for a store call that failed (`Some` error) or did not answer in time (`None`).
+fn store_unavailable(state: &AdminState, error: Option<&StoreError>) -> Response<AdminBody> {
+    problem(Problem::admin_store_unavailable(
+        store_failure(state, error),
+        state.store_timeout,
+    ))
 }
 
 /// Why a store call failed: its error, or `None` when it did not answer in time.

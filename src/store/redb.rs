@@ -192,6 +192,12 @@ enum RedbError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot drop the cached pages of {}", path.display())]
+    Forget {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot sync the directory {}", path.display())]
     SyncDir {
         path: PathBuf,

@@ -8,9 +8,9 @@
 //!   the database file, the journal and any missing folder, before it acknowledges anything.
 //! - **A failed sync is never trusted.** Linux marks the pages of a failed `fdatasync` clean:
 //!   they stay in the page cache with data that may never reach the disk, and a later read
-//!   (in this process or the next) returns it as if it were there. After a failed sync the
-//!   store drops both files' cached pages ([`Disk::forget_cached`]) before it reads them
-//!   again, so what it reads is what the disk holds.
+//!   (in this process or the next) returns it as if it were there. Every open of the file
+//!   (at start, after a failure, for a read view) first drops both files' cached pages
+//!   ([`Disk::forget_cached`]), so what it reads is what the disk holds.
 
 use std::fmt;
 use std::fs::File;

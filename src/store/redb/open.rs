@@ -74,8 +74,24 @@ pub(super) fn open_file(
     Ok(opened)
 }
 
-/// Opens (or creates) the database file, repairing it if it was not closed cleanly.
+/// Opens (or creates) the database file, repairing it if it was not closed cleanly, from what
+/// the disk holds.
+///
+/// A failed sync (in this process, or in one that died before it could reopen the file)
+/// leaves pages in the system's cache that the disk may never have got, marked clean. Read
+/// through them, the file would take a failed checkpoint for done, its journal frames would
+/// be skipped, and later commits would build on pages that are not on the disk. So every
+/// open first drops both files' cached pages: the file is read as the disk holds it, and the
+/// journal, kept whole until a checkpoint's sync succeeds, brings back whatever it lacks.
 pub(super) fn open_database(disk: &dyn Disk, path: &Path) -> Result<Database, StoreError> {
+    for file in [path, &Journal::path_for(path)] {
+        disk.forget_cached(file).map_err(|source| {
+            unavailable(RedbError::Forget {
+                path: file.to_path_buf(),
+                source,
+            })
+        })?;
+    }
     disk.create_database(Database::builder().set_cache_size(CACHE_BYTES), path)
         .map_err(|e| match e {
             DatabaseError::DatabaseAlreadyOpen => unavailable(RedbError::AlreadyOpen {

@@ -19,7 +19,7 @@ use super::journal::Journal;
 use super::migrate::{EXPIRIES_V1, EXPIRIES_V2, RECORDS_V1};
 use super::open::{
     FORMAT, FORMAT_KEY, JOURNAL_APPLIED, JOURNAL_STATE, MARK_LAST_ROW, MARK_NEXT_ROW, MARK_ROWS,
-    RECORDS, attach, next_row_of, open_file,
+    RECORDS, attach, next_row_of, open_file, record_checkpoint,
 };
 use super::ops::{Op, Reply};
 use super::writer::{CHECKPOINT_EVERY, Writer};
@@ -618,6 +618,72 @@ fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     drop(writer);
     let mut writer = writer_on(&disk, &path);
     assert_in_flight(&mut writer, &acknowledged);
+}
+
+/// A process that dies right after a failed checkpoint sync, before it reopens anything,
+/// leaves the failed commit's pages in the system's cache, marked clean. The next process must
+/// not read through them: it opens the file as the disk holds it and applies the journal,
+/// and what both processes acknowledged survives a later power cut.
+#[test]
+fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
+    let disk = super::sim_disk::SimDisk::default();
+    let path = PathBuf::from("/sim/died/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    // Enough completed records for many pages, most of which the next process's commits
+    // never touch (a record in flight would be written again at the next open).
+    let completed: Vec<RecordKey> = (0..400u32).map(|i| Hash256::of(&i.to_be_bytes())).collect();
+    for &key in &completed {
+        let token = OwnerToken::generate();
+        let claimed = run_one(&mut writer, claim_op(key, token));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        let completion = charge().encode();
+        let done = run_one(&mut writer, |reply| Op::Complete {
+            key,
+            token,
+            completion,
+            ttl: Duration::from_secs(600),
+            reply,
+        });
+        assert!(matches!(done, Ok(Transition::Applied)), "{done:?}");
+    }
+    // The checkpoint's commit, whose sync fails; the process dies before doing anything else.
+    disk.fail_next_sync(&path);
+    let mut txn = writer.txn.take().expect("the batches' open transaction");
+    let last = writer.journal.as_ref().unwrap().last();
+    record_checkpoint(&txn, last, writer.rows.next).unwrap();
+    txn.set_durability(redb::Durability::Immediate).unwrap();
+    assert!(txn.commit().is_err(), "the sync failed");
+    drop(writer);
+
+    // The next process, with a checkpoint of its own before the power cut.
+    let mut writer = writer_on(&disk, &path);
+    let mut running = Vec::new();
+    for name in ["c", "d"] {
+        let key = Hash256::of(name.as_bytes());
+        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        running.push(key);
+    }
+    writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let sweep = |reply| Op::Sweep { reply: Some(reply) };
+    run_one(&mut writer, sweep).unwrap();
+    assert!(
+        !writer.journal.as_ref().unwrap().has_frames(),
+        "checkpointed"
+    );
+
+    disk.power_cut();
+    drop(writer);
+    let opened = open_file(&disk, &path, Some(now_ms()));
+    let mut writer = test_writer(&path, opened.expect("the file opens after the power cut"));
+    assert_in_flight(&mut writer, &running);
+    for &key in &completed {
+        let found = run_one(&mut writer, |reply| Op::Get { key, reply });
+        assert!(
+            matches!(found, Ok(Some(Record::Completed { .. }))),
+            "{key:?}: {found:?}"
+        );
+    }
 }
 
 /// A journal frame whose sync fails is not acknowledged, and no later frame is written over

@@ -17,9 +17,7 @@ use super::index::RowIndex;
 use super::journal::Journal;
 use super::open::{RECORDS, open_file, read_view, record_checkpoint};
 use super::ops::{Done, Failure, Op};
-use super::{RedbError, unavailable};
 use crate::record::{OwnerToken, RecordKey};
-use crate::store::StoreError;
 use crate::store::handout::Handout;
 
 /// Most changes committed together in one write transaction.
@@ -244,27 +242,12 @@ impl Writer {
         self.open_read_view();
     }
 
-    /// Drops the handles of a file that failed, and the pages of both files the system
-    /// caches: a failed sync leaves pages there that the disk may never have got, marked clean.
-    /// Read through them, a reopened file would take a failed checkpoint for done, skip the
-    /// journal frames it holds, and later commits would build on pages that are not on the
-    /// disk. Dropped, every read comes from the disk, and the journal (kept whole until a
-    /// checkpoint's sync succeeds) brings back what the file lacks.
-    pub(super) fn close_and_forget(&mut self) -> Result<(), StoreError> {
-        // The failed handle holds the file's lock: closed before the file is opened again.
+    /// Drops the handles of a file that failed; the file's lock goes with them, so it can be
+    /// opened again (which reads what the disk holds: see `open_database`).
+    pub(super) fn close(&mut self) {
         self.txn = None;
         self.db = None;
         self.journal = None;
-        let journal = Journal::path_for(&self.path);
-        [&*self.path, &journal]
-            .into_iter()
-            .try_for_each(|path| self.disk.forget_cached(path))
-            .map_err(|source| {
-                unavailable(RedbError::Journal {
-                    path: journal.clone(),
-                    source,
-                })
-            })
     }
 
     /// Opens a view of the file to answer from while it takes no writes: the file as the
@@ -272,10 +255,8 @@ impl Writer {
     /// committed. Its opening writes nothing but redb's own repair of the header. Without
     /// one, every call is refused.
     pub(super) fn open_read_view(&mut self) {
-        match self
-            .close_and_forget()
-            .and_then(|()| read_view(&*self.disk, &self.path))
-        {
+        self.close();
+        match read_view(&*self.disk, &self.path) {
             Ok((db, txn, rows)) => {
                 self.db = Some(db);
                 self.txn = Some(txn);
@@ -340,11 +321,9 @@ impl Writer {
             Some(poisoned) if now < poisoned.retry_at => return false,
             Some(_) => {}
         }
+        self.close();
         // The records in flight are this process's own, with deadlines on its clock.
-        let reopened = self
-            .close_and_forget()
-            .and_then(|()| open_file(&*self.disk, &self.path, None));
-        match reopened {
+        match open_file(&*self.disk, &self.path, None) {
             Ok((db, journal, rows)) => {
                 self.db = Some(db);
                 self.journal = Some(journal);

@@ -223,8 +223,10 @@ pub enum Concurrent {
     Wait(Duration),
 }
 
-/// What a keyed request does when the store fails or does not answer in time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// What a keyed request does when the store fails or does not answer in time. Read from a
+/// config file as `"reject"` or `"pass"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OnStoreError {
     /// Answer `503` with `Retry-After` and forward nothing (fail closed).
     #[default]

@@ -104,7 +104,7 @@ fn bad_configs_exit_non_zero_naming_the_field() {
                 "{up}upstream_timeout = \"1s\"\n[[routes]]\nprefix = \"/a\"\nconcurrent = \"sometimes\""
             ),
             "routes[0].concurrent",
-            "\"wait\"",
+            "`wait`",
         ),
         ("this is not toml".to_owned(), "idemgate.toml", "expected"),
     ];
@@ -199,6 +199,12 @@ fn flags_win_over_environment_which_wins_over_the_file() {
     );
     assert!(!bad_env.status.success());
     assert!(stderr(&bad_env).contains("ttl"), "{}", stderr(&bad_env));
+    // The flag and the variable read durations as the file does, parts and spaces included.
+    let spaced = run(
+        &["--check-config", "--config", path, "--ttl", "1h 30m"],
+        &[],
+    );
+    assert!(spaced.status.success(), "{}", stderr(&spaced));
 }
 
 #[test]

@@ -4,8 +4,16 @@
 //!
 //! Precedence is flags, then `IDEMGATE_*` environment variables (both arrive as
 //! [`Overrides`], clap resolves which of the two wins), then the file, then the `DEFAULT_*`
-//! constants below. Every value is checked in [`FileConfig::validate`]; a bad one is refused
-//! with a [`ConfigError`] that names the field and says what would be valid.
+//! constants below.
+//!
+//! Values are checked in two steps. Reading the file gives each value its type: durations
+//! ([`parse_duration`]), sizes ([`parse_byte_size`]) and the words of a choice (`preset`,
+//! `on_store_error`, …, serde enums) are read as the file is parsed, and one of the wrong kind
+//! is refused with a [`ConfigError::Value`] that names the file, its line and the field
+//! (`routes[2].ttl`). [`FileConfig::validate`] then checks what needs more than one value or
+//! more than a type (addresses, ranges, a lease against `store_timeout`, unique route names)
+//! and refuses with a [`ConfigError::Invalid`] that names the field and says what would be
+//! valid.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -15,10 +23,12 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
 
 use crate::policy::{
     Concurrent, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_WAIT_TIMEOUT, KeySource, MIN_LEASE, Preset, RoutePolicy, StatusSet, UnknownOutcome,
+    DEFAULT_WAIT_TIMEOUT, KeySource, MIN_LEASE, OnStoreError, Preset, RoutePolicy, StatusSet,
+    UnknownOutcome,
 };
 
 /// Default address of the proxy listener.
@@ -70,7 +80,7 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is not valid TOML for this schema (syntax, unknown field, wrong type).
+    /// The file is not valid TOML.
     #[error("config file {path}")]
     Parse {
         /// The file.
@@ -78,6 +88,23 @@ pub enum ConfigError {
         /// The parser's message, with line and column.
         #[source]
         source: toml::de::Error,
+    },
+    /// A field of the file is unknown, or its value is not of the field's kind (not a
+    /// duration, a size or one of its words, or of another TOML type).
+    #[error(
+        "config file {}{}: {field}: {message}",
+        .path.display(),
+        .line.map(|n| format!(", line {n}")).unwrap_or_default()
+    )]
+    Value {
+        /// The file.
+        path: PathBuf,
+        /// The line of the value (from 1), when the parser knows it.
+        line: Option<usize>,
+        /// The field, as written in the file (`routes[1].ttl`).
+        field: String,
+        /// What is wrong and what would be valid.
+        message: String,
     },
     /// A value is missing or out of range.
     #[error("{field}: {message}")]
@@ -100,13 +127,15 @@ impl ConfigError {
     /// The field the error is about, when it is about one.
     pub fn field(&self) -> Option<&str> {
         match self {
-            Self::Invalid { field, .. } => Some(field),
+            Self::Invalid { field, .. } | Self::Value { field, .. } => Some(field),
             _ => None,
         }
     }
 }
 
-/// The config file as written. Every field is optional; unknown fields are refused.
+/// The config file as written, each value read into its type (durations, sizes and choices
+/// included); [`FileConfig::validate`] checks the rest. Every field is optional; unknown
+/// fields are refused.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
@@ -119,23 +148,31 @@ pub struct FileConfig {
     /// `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
     pub store: Option<String>,
     /// Record lifetime for every route that does not set its own (default: the preset's).
-    pub ttl: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub ttl: Option<Duration>,
     /// Bound on one store call.
-    pub store_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub store_timeout: Option<Duration>,
     /// `reject` (fail closed, `503`) or `pass` (forward unprotected) when the store is down.
-    pub on_store_error: Option<String>,
+    pub on_store_error: Option<OnStoreError>,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
-    pub upstream_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub upstream_timeout: Option<Duration>,
     /// Bound on connecting to the upstream.
-    pub upstream_connect_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub upstream_connect_timeout: Option<Duration>,
     /// How long an upstream connection is kept idle for the next request.
-    pub upstream_idle_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub upstream_idle_timeout: Option<Duration>,
     /// Time in-flight requests get after SIGTERM.
-    pub shutdown_grace: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub shutdown_grace: Option<Duration>,
     /// Cap on a buffered idempotent request body, for routes that do not set their own.
-    pub max_request_bytes: Option<ByteSize>,
+    #[serde(default, deserialize_with = "byte_size")]
+    pub max_request_bytes: Option<usize>,
     /// Cap on a stored response body, for routes that do not set their own.
-    pub max_response_bytes: Option<ByteSize>,
+    #[serde(default, deserialize_with = "byte_size")]
+    pub max_response_bytes: Option<usize>,
     /// Bearer token for the admin record endpoints.
     pub admin_token: Option<String>,
     /// Name of an environment variable holding the admin token.
@@ -156,14 +193,17 @@ pub struct LimitsFile {
     /// Cap on open client connections.
     pub max_connections: Option<usize>,
     /// Time a client gets to send a complete header block.
-    pub header_read_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub header_read_timeout: Option<Duration>,
     /// Time a connection that moves no bytes either way stays open (an h2c one: with no request
     /// in progress).
-    pub idle_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub idle_timeout: Option<Duration>,
     /// Cap on header fields per request.
     pub max_headers: Option<usize>,
     /// Cap on a request's header block in bytes.
-    pub max_header_bytes: Option<ByteSize>,
+    #[serde(default, deserialize_with = "byte_size")]
+    pub max_header_bytes: Option<usize>,
 }
 
 /// One `[[routes]]` entry as written.
@@ -175,7 +215,7 @@ pub struct RouteFile {
     /// Name in logs, metrics and the admin API; part of every record key.
     pub name: Option<String>,
     /// `api`, `webhook` or `strict`.
-    pub preset: Option<String>,
+    pub preset: Option<Preset>,
     /// Take the key from this header.
     pub key_header: Option<String>,
     /// Take the key from this JSON pointer into the body.
@@ -185,11 +225,13 @@ pub struct RouteFile {
     /// Answer `400` when a taking-part request has no key.
     pub require_key: Option<bool>,
     /// Record lifetime.
-    pub ttl: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub ttl: Option<Duration>,
     /// `reject` (`409` at once) or `wait` (wait `wait_timeout` for the first request).
-    pub concurrent: Option<String>,
+    pub concurrent: Option<ConcurrentMode>,
     /// Bound on `concurrent = "wait"`.
-    pub wait_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub wait_timeout: Option<Duration>,
     /// Headers whose values make the scope.
     pub scope_headers: Option<Vec<String>>,
     /// Headers that are part of the fingerprint.
@@ -197,37 +239,32 @@ pub struct RouteFile {
     /// Stored statuses, applied in order (`["2xx", "!429"]`).
     pub store_statuses: Option<Vec<String>>,
     /// `ambiguous` or `retry`.
-    pub unknown_outcome: Option<String>,
+    pub unknown_outcome: Option<UnknownOutcome>,
     /// Status of the fingerprint-mismatch answer.
     pub mismatch_status: Option<u16>,
     /// Lease on an in-flight record.
-    pub lease: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub lease: Option<Duration>,
     /// Cap on a buffered request body.
-    pub max_request_bytes: Option<ByteSize>,
+    #[serde(default, deserialize_with = "byte_size")]
+    pub max_request_bytes: Option<usize>,
     /// Cap on a stored response body.
-    pub max_response_bytes: Option<ByteSize>,
+    #[serde(default, deserialize_with = "byte_size")]
+    pub max_response_bytes: Option<usize>,
     /// Keep `Set-Cookie` in stored responses.
     pub store_set_cookie: Option<bool>,
 }
 
-/// A byte count written as an integer (`1048576`) or with a unit (`"64KiB"`, `"10MiB"`).
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
-pub enum ByteSize {
-    /// A plain number of bytes.
-    Bytes(u64),
-    /// A number with a unit.
-    Text(String),
-}
-
-impl ByteSize {
-    fn resolve(&self, field: &str) -> Result<usize, ConfigError> {
-        let n = match self {
-            ByteSize::Bytes(n) => *n,
-            ByteSize::Text(s) => parse_byte_size(s).map_err(|m| ConfigError::invalid(field, m))?,
-        };
-        usize::try_from(n).map_err(|_| ConfigError::invalid(field, "too large for this machine"))
-    }
+/// A route's `concurrent` as written: the library's [`Concurrent`] without the bound on
+/// waiting, which is the route's separate `wait_timeout`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConcurrentMode {
+    /// `"reject"`: [`Concurrent::Reject`].
+    #[default]
+    Reject,
+    /// `"wait"`: [`Concurrent::Wait`] for `wait_timeout`.
+    Wait,
 }
 
 /// Reads `"512"`, `"64KiB"`, `"10MiB"`, `"1GiB"` (also `KB`/`MB`/`GB` as powers of 1000).
@@ -256,42 +293,65 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
-/// Reads a duration: an integer and a unit, `ms`, `s`, `m`, `h` or `d` (`"500ms"`, `"30s"`,
-/// `"24h"`, `"3d"`). Several parts add up (`"1h30m"`).
+/// Reads a duration as the config file and `--ttl` write it: numbers with units, the parts
+/// adding up — `"500ms"`, `"30s"`, `"15m"`, `"24h"`, `"3d"`, `"1h30m"`, `"1h 30m"`, `"1.5s"`.
+/// The syntax is [`humantime::parse_duration`]'s: units `ns`, `us`, `ms`, `s`, `m`
+/// (minutes), `h`, `d`, `w`, `M` (months of 30.44 days), `y` (years of 365.25 days), and long
+/// forms such as `sec`, `min`, `hours`, `days`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let bad = || {
-        format!(
-            "{s:?} is not a duration; expected a number and a unit ms, s, m, h or d, \
-             e.g. \"500ms\", \"30s\", \"24h\", \"3d\""
-        )
-    };
-    let mut rest = s.trim();
-    if rest.is_empty() {
-        return Err(bad());
-    }
-    let mut total = Duration::ZERO;
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-        if digits == 0 {
-            return Err(bad());
-        }
-        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let part = match &rest[..unit_len] {
-            "ms" => Duration::from_millis(n),
-            "s" => Duration::from_secs(n),
-            "m" => Duration::from_secs(n.checked_mul(60).ok_or_else(bad)?),
-            "h" => Duration::from_secs(n.checked_mul(3600).ok_or_else(bad)?),
-            "d" => Duration::from_secs(n.checked_mul(86_400).ok_or_else(bad)?),
-            _ => return Err(bad()),
+    use humantime::DurationError as Why;
+    humantime::parse_duration(s).map_err(|error| {
+        let why = match error {
+            Why::UnknownUnit { unit, .. } if unit.is_empty() => " (no unit)".to_owned(),
+            Why::UnknownUnit { unit, .. } => format!(" (unknown unit {unit:?})"),
+            Why::NumberOverflow => " (too large, or finer than a nanosecond)".to_owned(),
+            Why::Empty | Why::InvalidCharacter(_) | Why::NumberExpected(_) => String::new(),
         };
-        total = total.checked_add(part).ok_or_else(bad)?;
-        rest = &rest[unit_len..];
+        format!(
+            "{s:?} is not a duration{why}; expected a number and a unit, \
+             e.g. \"500ms\", \"30s\", \"15m\", \"24h\", \"3d\" or \"1h 30m\""
+        )
+    })
+}
+
+/// Reads a duration field of the file with [`parse_duration`].
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    struct Text;
+    impl Visitor<'_> for Text {
+        type Value = Duration;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a duration such as \"30s\"")
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Duration, E> {
+            parse_duration(s).map_err(E::custom)
+        }
     }
-    Ok(total)
+    d.deserialize_str(Text).map(Some)
+}
+
+/// Reads a size field of the file: a number of bytes (`1048576`), or a string with a unit
+/// ([`parse_byte_size`]).
+fn byte_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    struct Size;
+    impl Visitor<'_> for Size {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a size such as 1048576 or \"10MiB\"")
+        }
+        fn visit_u64<E: de::Error>(self, n: u64) -> Result<u64, E> {
+            Ok(n)
+        }
+        fn visit_i64<E: de::Error>(self, n: i64) -> Result<u64, E> {
+            u64::try_from(n).map_err(|_| E::invalid_value(de::Unexpected::Signed(n), &self))
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<u64, E> {
+            parse_byte_size(s).map_err(E::custom)
+        }
+    }
+    let n = d.deserialize_any(Size)?;
+    usize::try_from(n)
+        .map(Some)
+        .map_err(|_| de::Error::custom(format!("{n} bytes is too large for this machine")))
 }
 
 /// Values from the command line or the environment, laid over the file.
@@ -305,8 +365,8 @@ pub struct Overrides {
     pub upstream: Option<String>,
     /// `--store` / `IDEMGATE_STORE`.
     pub store: Option<String>,
-    /// `--ttl` / `IDEMGATE_TTL`.
-    pub ttl: Option<String>,
+    /// `--ttl` / `IDEMGATE_TTL`, read by [`parse_duration`] as the file's durations are.
+    pub ttl: Option<Duration>,
     /// `--admin-token` / `IDEMGATE_ADMIN_TOKEN`.
     pub admin_token: Option<String>,
     /// `--underscores-in-headers` / `IDEMGATE_UNDERSCORES_IN_HEADERS`.
@@ -375,15 +435,6 @@ impl fmt::Display for StoreSpec {
             },
         }
     }
-}
-
-/// What a request does when the store fails or is slower than `store_timeout`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreErrorPolicy {
-    /// `503` with `Retry-After`, nothing forwarded (fail closed).
-    Reject,
-    /// Forward without protection, logged and counted.
-    Pass,
 }
 
 /// The upstream every request goes to.
@@ -490,7 +541,7 @@ pub struct Settings {
     /// Bound on one store call.
     pub store_timeout: Duration,
     /// What to do when the store fails.
-    pub on_store_error: StoreErrorPolicy,
+    pub on_store_error: OnStoreError,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
     pub upstream_timeout: Duration,
     /// Bound on connecting to the upstream.
@@ -544,22 +595,48 @@ impl Settings {
 pub const DEFAULT_ROUTE_NAME: &str = "default";
 
 impl FileConfig {
-    /// Reads and parses a config file (without checking values).
+    /// Reads and parses a config file (see [`FileConfig::from_toml`]).
     pub fn read(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses the text of the config file at `path` (the path only names the file in errors).
+    /// Each value is read into its type here; one of the wrong kind, and an unknown field, is
+    /// a [`ConfigError::Value`] naming its line and field. What needs more than the value's
+    /// type is left to [`FileConfig::validate`].
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let parse_error = |source| ConfigError::Parse {
             path: path.to_owned(),
             source,
+        };
+        let document = toml::Deserializer::parse(text).map_err(parse_error)?;
+        serde_path_to_error::deserialize(document).map_err(|error| {
+            if error.path().iter().next().is_none() {
+                return parse_error(error.into_inner());
+            }
+            let field = error.path().to_string();
+            let error = error.into_inner();
+            let line = error
+                .span()
+                .and_then(|span| text.get(..span.start))
+                .map(|before| before.matches('\n').count() + 1);
+            ConfigError::Value {
+                path: path.to_owned(),
+                line,
+                field,
+                message: error.message().to_owned(),
+            }
         })
     }
 
     /// This file with command-line and environment values laid over it.
     #[must_use]
     pub fn with_overrides(mut self, o: &Overrides) -> Self {
-        fn lay(slot: &mut Option<String>, value: &Option<String>) {
+        fn lay<T: Clone>(slot: &mut Option<T>, value: &Option<T>) {
             if value.is_some() {
                 slot.clone_from(value);
             }
@@ -574,14 +651,55 @@ impl FileConfig {
             self.admin_token_env = None;
         }
         lay(&mut self.admin_token, &o.admin_token);
-        if o.underscores_in_headers.is_some() {
-            self.underscores_in_headers = o.underscores_in_headers;
-        }
+        lay(&mut self.underscores_in_headers, &o.underscores_in_headers);
         self
     }
 
     /// Checks every value and builds the typed configuration.
     pub fn validate(&self) -> Result<Settings, ConfigError> {
+        let (listen, admin_listen) = self.listeners()?;
+        let upstream = self.upstream()?;
+        let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
+            .map_err(|m| ConfigError::invalid("store", m))?;
+        let timeouts = self.timeouts()?;
+        let ttl = self.ttl.map(|ttl| nonzero("ttl", ttl)).transpose()?;
+        let admin_token = self.admin_token()?;
+        let limits = self.limits.clone().unwrap_or_default().validate()?;
+        if let Err(why) = lease_outlasts_a_renewal(DEFAULT_LEASE, timeouts.store) {
+            return Err(ConfigError::invalid(
+                "store_timeout",
+                format!("{why} (routes without a lease of their own)"),
+            ));
+        }
+        let defaults = RouteDefaults {
+            ttl,
+            store_timeout: timeouts.store,
+            max_request_bytes: self.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+            max_response_bytes: self
+                .max_response_bytes
+                .unwrap_or(DEFAULT_MAX_RESPONSE_BYTES),
+        };
+        Ok(Settings {
+            listen,
+            admin_listen,
+            upstream,
+            store,
+            store_timeout: timeouts.store,
+            on_store_error: self.on_store_error.unwrap_or_default(),
+            upstream_timeout: timeouts.upstream,
+            upstream_connect_timeout: timeouts.upstream_connect,
+            upstream_idle_timeout: timeouts.upstream_idle,
+            shutdown_grace: self.shutdown_grace.unwrap_or(DEFAULT_SHUTDOWN_GRACE),
+            admin_token,
+            limits,
+            underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
+            default_route: defaults.policy(Preset::Api).name(DEFAULT_ROUTE_NAME),
+            routes: self.routes(&defaults)?,
+        })
+    }
+
+    /// `listen` and `admin_listen`, which must differ.
+    fn listeners(&self) -> Result<(SocketAddr, SocketAddr), ConfigError> {
         let listen = addr("listen", self.listen.as_deref().unwrap_or(DEFAULT_LISTEN))?;
         let admin_listen = addr(
             "admin_listen",
@@ -595,111 +713,71 @@ impl FileConfig {
                 ),
             ));
         }
-        let upstream = match &self.upstream {
-            Some(u) => Upstream::parse(u).map_err(|m| ConfigError::invalid("upstream", m))?,
-            None => {
-                return Err(ConfigError::invalid(
-                    "upstream",
-                    "required: set --upstream, IDEMGATE_UPSTREAM or `upstream = \"http://HOST:PORT\"` in the config file",
-                ));
-            }
-        };
-        let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
-            .map_err(|m| ConfigError::invalid("store", m))?;
-        let store_timeout =
-            positive_duration("store_timeout", &self.store_timeout, DEFAULT_STORE_TIMEOUT)?;
-        let on_store_error = match self.on_store_error.as_deref() {
-            None | Some("reject") => StoreErrorPolicy::Reject,
-            Some("pass") => StoreErrorPolicy::Pass,
-            Some(other) => {
-                return Err(ConfigError::invalid(
-                    "on_store_error",
-                    format!("{other:?} is not a choice; expected \"reject\" or \"pass\""),
-                ));
-            }
-        };
-        let upstream_timeout = positive_duration(
+        Ok((listen, admin_listen))
+    }
+
+    /// `upstream`, which is required.
+    fn upstream(&self) -> Result<Upstream, ConfigError> {
+        let upstream = self.upstream.as_deref().ok_or_else(|| {
+            ConfigError::invalid(
+                "upstream",
+                "required: set --upstream, IDEMGATE_UPSTREAM or `upstream = \"http://HOST:PORT\"` in the config file",
+            )
+        })?;
+        Upstream::parse(upstream).map_err(|m| ConfigError::invalid("upstream", m))
+    }
+
+    /// The store and upstream timeouts, with their defaults and bounds.
+    fn timeouts(&self) -> Result<Timeouts, ConfigError> {
+        let store = positive("store_timeout", self.store_timeout, DEFAULT_STORE_TIMEOUT)?;
+        let upstream = positive(
             "upstream_timeout",
-            &self.upstream_timeout,
+            self.upstream_timeout,
             DEFAULT_UPSTREAM_TIMEOUT,
         )?;
-        let upstream_connect_timeout = positive_duration(
+        let upstream_connect = positive(
             "upstream_connect_timeout",
-            &self.upstream_connect_timeout,
-            DEFAULT_UPSTREAM_CONNECT_TIMEOUT.min(upstream_timeout),
+            self.upstream_connect_timeout,
+            DEFAULT_UPSTREAM_CONNECT_TIMEOUT.min(upstream),
         )?;
-        if upstream_connect_timeout > upstream_timeout {
+        if upstream_connect > upstream {
             return Err(ConfigError::invalid(
                 "upstream_connect_timeout",
                 format!(
-                    "{upstream_connect_timeout:?} is longer than upstream_timeout ({upstream_timeout:?}); \
+                    "{upstream_connect:?} is longer than upstream_timeout ({upstream:?}); \
                      it must not exceed it"
                 ),
             ));
         }
-        let upstream_idle_timeout = positive_duration(
+        let upstream_idle = positive(
             "upstream_idle_timeout",
-            &self.upstream_idle_timeout,
+            self.upstream_idle_timeout,
             DEFAULT_UPSTREAM_IDLE_TIMEOUT,
         )?;
-        if upstream_idle_timeout < MIN_UPSTREAM_IDLE_TIMEOUT {
+        if upstream_idle < MIN_UPSTREAM_IDLE_TIMEOUT {
             return Err(ConfigError::invalid(
                 "upstream_idle_timeout",
                 format!(
-                    "{upstream_idle_timeout:?} is shorter than {MIN_UPSTREAM_IDLE_TIMEOUT:?}, the least it may be"
+                    "{upstream_idle:?} is shorter than {MIN_UPSTREAM_IDLE_TIMEOUT:?}, the least it may be"
                 ),
             ));
         }
-        let shutdown_grace = duration(
-            "shutdown_grace",
-            &self.shutdown_grace,
-            DEFAULT_SHUTDOWN_GRACE,
-        )?;
-        let ttl = self
-            .ttl
-            .as_ref()
-            .map(|t| parse_positive("ttl", t))
-            .transpose()?;
-        let max_request_bytes = self
-            .max_request_bytes
-            .as_ref()
-            .map(|b| b.resolve("max_request_bytes"))
-            .transpose()?
-            .unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
-        let max_response_bytes = self
-            .max_response_bytes
-            .as_ref()
-            .map(|b| b.resolve("max_response_bytes"))
-            .transpose()?
-            .unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
-        let admin_token = self.admin_token()?;
-        let limits = self.limits.clone().unwrap_or_default().validate()?;
+        Ok(Timeouts {
+            store,
+            upstream,
+            upstream_connect,
+            upstream_idle,
+        })
+    }
 
-        let mut default_route = RoutePolicy::api()
-            .name(DEFAULT_ROUTE_NAME)
-            .max_request_bytes(max_request_bytes)
-            .max_response_bytes(max_response_bytes);
-        if let Some(ttl) = ttl {
-            default_route = default_route.ttl(ttl);
-        }
-        if let Err(why) = lease_outlasts_a_renewal(DEFAULT_LEASE, store_timeout) {
-            return Err(ConfigError::invalid(
-                "store_timeout",
-                format!("{why} (routes without a lease of their own)"),
-            ));
-        }
-        let defaults = RouteDefaults {
-            ttl,
-            store_timeout,
-            max_request_bytes,
-            max_response_bytes,
-        };
+    /// Every `[[routes]]` entry, checked, with names and prefixes unique.
+    fn routes(&self, defaults: &RouteDefaults) -> Result<Vec<RouteSettings>, ConfigError> {
         let mut routes = Vec::with_capacity(self.routes.len());
         let mut names = HashSet::from([DEFAULT_ROUTE_NAME.to_owned()]);
         let mut prefixes = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             let field = format!("routes[{i}]");
-            let settings = route.validate(&field, &defaults)?;
+            let settings = route.validate(&field, defaults)?;
             if !names.insert(settings.policy.route_name().to_owned()) {
                 return Err(ConfigError::invalid(
                     format!("{field}.name"),
@@ -721,23 +799,7 @@ impl FileConfig {
             }
             routes.push(settings);
         }
-        Ok(Settings {
-            listen,
-            admin_listen,
-            upstream,
-            store,
-            store_timeout,
-            on_store_error,
-            upstream_timeout,
-            upstream_connect_timeout,
-            upstream_idle_timeout,
-            shutdown_grace,
-            admin_token,
-            limits,
-            underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
-            default_route,
-            routes,
-        })
+        Ok(routes)
     }
 
     fn admin_token(&self) -> Result<Option<String>, ConfigError> {
@@ -778,6 +840,14 @@ impl FileConfig {
     }
 }
 
+/// The checked timeouts of the top level (`shutdown_grace` aside, which may be zero).
+struct Timeouts {
+    store: Duration,
+    upstream: Duration,
+    upstream_connect: Duration,
+    upstream_idle: Duration,
+}
+
 impl LimitsFile {
     fn validate(self) -> Result<Limits, ConfigError> {
         let max_connections = self.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
@@ -794,12 +864,7 @@ impl LimitsFile {
                 "must be at least 1",
             ));
         }
-        let max_header_bytes = self
-            .max_header_bytes
-            .as_ref()
-            .map(|b| b.resolve("limits.max_header_bytes"))
-            .transpose()?
-            .unwrap_or(DEFAULT_MAX_HEADER_BYTES);
+        let max_header_bytes = self.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES);
         if max_header_bytes < MIN_MAX_HEADER_BYTES || u32::try_from(max_header_bytes).is_err() {
             return Err(ConfigError::invalid(
                 "limits.max_header_bytes",
@@ -808,14 +873,14 @@ impl LimitsFile {
         }
         Ok(Limits {
             max_connections,
-            header_read_timeout: positive_duration(
+            header_read_timeout: positive(
                 "limits.header_read_timeout",
-                &self.header_read_timeout,
+                self.header_read_timeout,
                 DEFAULT_HEADER_READ_TIMEOUT,
             )?,
-            idle_timeout: positive_duration(
+            idle_timeout: positive(
                 "limits.idle_timeout",
-                &self.idle_timeout,
+                self.idle_timeout,
                 DEFAULT_IDLE_TIMEOUT,
             )?,
             max_headers,
@@ -839,6 +904,8 @@ fn lease_outlasts_a_renewal(lease: Duration, store_timeout: Duration) -> Result<
     }
 }
 
+/// What every route starts from: the top-level ttl and body caps, and the store timeout its
+/// lease must outlast.
 struct RouteDefaults {
     ttl: Option<Duration>,
     store_timeout: Duration,
@@ -846,30 +913,29 @@ struct RouteDefaults {
     max_response_bytes: usize,
 }
 
+impl RouteDefaults {
+    /// `preset` with the top-level values laid over it.
+    fn policy(&self, preset: Preset) -> RoutePolicy {
+        let policy = RoutePolicy::preset(preset)
+            .max_request_bytes(self.max_request_bytes)
+            .max_response_bytes(self.max_response_bytes);
+        match self.ttl {
+            Some(ttl) => policy.ttl(ttl),
+            None => policy,
+        }
+    }
+}
+
 impl RouteFile {
+    /// Checks the route written at `field` (`routes[2]`) and builds its policy: the preset,
+    /// the top-level values, then the route's own.
     fn validate(
         &self,
         field: &str,
         defaults: &RouteDefaults,
     ) -> Result<RouteSettings, ConfigError> {
         let f = |name: &str| format!("{field}.{name}");
-        let prefix = self.prefix.clone().ok_or_else(|| {
-            ConfigError::invalid(
-                f("prefix"),
-                "required: the path prefix the route covers, e.g. \"/payments\"",
-            )
-        })?;
-        if !prefix.starts_with('/')
-            || prefix.contains(['?', '#'])
-            || prefix.contains(char::is_whitespace)
-        {
-            return Err(ConfigError::invalid(
-                f("prefix"),
-                format!(
-                    "{prefix:?} is not a path prefix; expected one starting with \"/\", e.g. \"/payments\""
-                ),
-            ));
-        }
+        let prefix = self.prefix(&f("prefix"))?;
         let name = self.name.clone().unwrap_or_else(|| prefix.clone());
         if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::invalid(
@@ -877,98 +943,20 @@ impl RouteFile {
                 format!("{name:?} is not a route name; expected 1–64 visible ASCII characters"),
             ));
         }
-        let preset = match &self.preset {
-            Some(p) => p
-                .parse::<Preset>()
-                .map_err(|m| ConfigError::invalid(f("preset"), m))?,
-            None => Preset::Api,
-        };
-        let mut policy = RoutePolicy::preset(preset)
-            .name(name)
-            .max_request_bytes(defaults.max_request_bytes)
-            .max_response_bytes(defaults.max_response_bytes);
-        if let Some(ttl) = defaults.ttl {
-            policy = policy.ttl(ttl);
+        let mut policy = defaults.policy(self.preset.unwrap_or_default()).name(name);
+        if let Some(key) = self.key_source(field)? {
+            policy = policy.key(key);
         }
-        match (&self.key_header, &self.key_json_pointer) {
-            (Some(_), Some(_)) => {
-                return Err(ConfigError::invalid(
-                    f("key_json_pointer"),
-                    "set either key_header or key_json_pointer, not both",
-                ));
-            }
-            (Some(h), None) => {
-                policy = policy.key(KeySource::Header(header_name(&f("key_header"), h)?))
-            }
-            (None, Some(p)) => {
-                if !(p.starts_with('/') && p.len() > 1) {
-                    return Err(ConfigError::invalid(
-                        f("key_json_pointer"),
-                        format!(
-                            "{p:?} is not a JSON pointer to a field; expected e.g. \"/id\" or \"/data/object/id\""
-                        ),
-                    ));
-                }
-                policy = policy.key(KeySource::JsonPointer(p.clone()));
-            }
-            (None, None) => {}
-        }
-        if let Some(methods) = &self.methods {
-            let mut parsed = Vec::with_capacity(methods.len());
-            for (j, m) in methods.iter().enumerate() {
-                let upper = m.trim().to_ascii_uppercase();
-                let method = Method::from_bytes(upper.as_bytes())
-                    .ok()
-                    .filter(|_| !upper.is_empty())
-                    .ok_or_else(|| {
-                        ConfigError::invalid(
-                            format!("{field}.methods[{j}]"),
-                            format!("{m:?} is not an HTTP method; expected e.g. \"POST\""),
-                        )
-                    })?;
-                parsed.push(method);
-            }
-            if parsed.is_empty() {
-                return Err(ConfigError::invalid(
-                    f("methods"),
-                    "is empty; list at least one method, or remove the route",
-                ));
-            }
-            policy = policy.methods(parsed);
+        if let Some(methods) = self.methods(field)? {
+            policy = policy.methods(methods);
         }
         if let Some(require) = self.require_key {
             policy = policy.require_key(require);
         }
-        if let Some(ttl) = &self.ttl {
-            policy = policy.ttl(parse_positive(&f("ttl"), ttl)?);
+        if let Some(ttl) = self.ttl {
+            policy = policy.ttl(nonzero(&f("ttl"), ttl)?);
         }
-        let wait_timeout = self
-            .wait_timeout
-            .as_ref()
-            .map(|w| parse_positive(&f("wait_timeout"), w))
-            .transpose()?;
-        match self.concurrent.as_deref() {
-            None | Some("reject") => {
-                if wait_timeout.is_some() {
-                    return Err(ConfigError::invalid(
-                        f("wait_timeout"),
-                        "only applies with concurrent = \"wait\"",
-                    ));
-                }
-                policy = policy.concurrent(Concurrent::Reject);
-            }
-            Some("wait") => {
-                policy = policy.concurrent(Concurrent::Wait(
-                    wait_timeout.unwrap_or(DEFAULT_WAIT_TIMEOUT),
-                ));
-            }
-            Some(other) => {
-                return Err(ConfigError::invalid(
-                    f("concurrent"),
-                    format!("{other:?} is not a choice; expected \"reject\" or \"wait\""),
-                ));
-            }
-        }
+        policy = policy.concurrent(self.concurrent(field)?);
         if let Some(headers) = &self.scope_headers {
             policy = policy.scope_headers(header_list(&f("scope_headers"), headers)?);
         }
@@ -981,56 +969,144 @@ impl RouteFile {
                     .map_err(|m| ConfigError::invalid(f("store_statuses"), m))?,
             );
         }
-        if let Some(outcome) = &self.unknown_outcome {
-            policy = policy.unknown_outcome(match outcome.as_str() {
-                "ambiguous" => UnknownOutcome::Ambiguous,
-                "retry" => UnknownOutcome::Retry,
-                other => {
-                    return Err(ConfigError::invalid(
-                        f("unknown_outcome"),
-                        format!("{other:?} is not a choice; expected \"ambiguous\" or \"retry\""),
-                    ));
-                }
-            });
+        if let Some(outcome) = self.unknown_outcome {
+            policy = policy.unknown_outcome(outcome);
         }
         if let Some(code) = self.mismatch_status {
-            let status = StatusCode::from_u16(code)
-                .ok()
-                .filter(StatusCode::is_client_error)
-                .ok_or_else(|| {
-                    ConfigError::invalid(
-                        f("mismatch_status"),
-                        format!(
-                            "{code} is not a client-error status; expected 400–499, e.g. 422 or 409"
-                        ),
-                    )
-                })?;
-            policy = policy.mismatch_status(status);
+            policy = policy.mismatch_status(mismatch_status(&f("mismatch_status"), code)?);
         }
-        let lease = match &self.lease {
-            Some(l) => parse_positive(&f("lease"), l)?,
-            None => DEFAULT_LEASE,
-        };
-        if lease < MIN_LEASE {
-            return Err(ConfigError::invalid(
-                f("lease"),
-                format!("must be at least {MIN_LEASE:?} (it is renewed at a third of it)"),
-            ));
+        policy = policy.lease(self.lease(&f("lease"), defaults.store_timeout)?);
+        if let Some(bytes) = self.max_request_bytes {
+            policy = policy.max_request_bytes(bytes);
         }
-        lease_outlasts_a_renewal(lease, defaults.store_timeout)
-            .map_err(|why| ConfigError::invalid(f("lease"), why))?;
-        policy = policy.lease(lease);
-        if let Some(b) = &self.max_request_bytes {
-            policy = policy.max_request_bytes(b.resolve(&f("max_request_bytes"))?);
-        }
-        if let Some(b) = &self.max_response_bytes {
-            policy = policy.max_response_bytes(b.resolve(&f("max_response_bytes"))?);
+        if let Some(bytes) = self.max_response_bytes {
+            policy = policy.max_response_bytes(bytes);
         }
         if let Some(keep) = self.store_set_cookie {
             policy = policy.store_set_cookie(keep);
         }
         Ok(RouteSettings { prefix, policy })
     }
+
+    /// `prefix`, which is required and must be a path.
+    fn prefix(&self, field: &str) -> Result<String, ConfigError> {
+        let prefix = self.prefix.clone().ok_or_else(|| {
+            ConfigError::invalid(
+                field,
+                "required: the path prefix the route covers, e.g. \"/payments\"",
+            )
+        })?;
+        if !prefix.starts_with('/')
+            || prefix.contains(['?', '#'])
+            || prefix.contains(char::is_whitespace)
+        {
+            return Err(ConfigError::invalid(
+                field,
+                format!(
+                    "{prefix:?} is not a path prefix; expected one starting with \"/\", e.g. \"/payments\""
+                ),
+            ));
+        }
+        Ok(prefix)
+    }
+
+    /// `key_header` or `key_json_pointer` (not both), when either is set.
+    fn key_source(&self, field: &str) -> Result<Option<KeySource>, ConfigError> {
+        match (&self.key_header, &self.key_json_pointer) {
+            (Some(_), Some(_)) => Err(ConfigError::invalid(
+                format!("{field}.key_json_pointer"),
+                "set either key_header or key_json_pointer, not both",
+            )),
+            (Some(h), None) => Ok(Some(KeySource::Header(header_name(
+                &format!("{field}.key_header"),
+                h,
+            )?))),
+            (None, Some(p)) if !(p.starts_with('/') && p.len() > 1) => Err(ConfigError::invalid(
+                format!("{field}.key_json_pointer"),
+                format!(
+                    "{p:?} is not a JSON pointer to a field; expected e.g. \"/id\" or \"/data/object/id\""
+                ),
+            )),
+            (None, Some(p)) => Ok(Some(KeySource::JsonPointer(p.clone()))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// `methods`, upper-cased, when set: at least one, each a valid method.
+    fn methods(&self, field: &str) -> Result<Option<Vec<Method>>, ConfigError> {
+        let Some(methods) = &self.methods else {
+            return Ok(None);
+        };
+        let mut parsed = Vec::with_capacity(methods.len());
+        for (j, m) in methods.iter().enumerate() {
+            let upper = m.trim().to_ascii_uppercase();
+            let method = Method::from_bytes(upper.as_bytes())
+                .ok()
+                .filter(|_| !upper.is_empty())
+                .ok_or_else(|| {
+                    ConfigError::invalid(
+                        format!("{field}.methods[{j}]"),
+                        format!("{m:?} is not an HTTP method; expected e.g. \"POST\""),
+                    )
+                })?;
+            parsed.push(method);
+        }
+        if parsed.is_empty() {
+            return Err(ConfigError::invalid(
+                format!("{field}.methods"),
+                "is empty; list at least one method, or remove the route",
+            ));
+        }
+        Ok(Some(parsed))
+    }
+
+    /// `concurrent` with its `wait_timeout`, which is set only with `"wait"`.
+    fn concurrent(&self, field: &str) -> Result<Concurrent, ConfigError> {
+        let wait_field = format!("{field}.wait_timeout");
+        let wait_timeout = self
+            .wait_timeout
+            .map(|w| nonzero(&wait_field, w))
+            .transpose()?;
+        match (self.concurrent.unwrap_or_default(), wait_timeout) {
+            (ConcurrentMode::Reject, Some(_)) => Err(ConfigError::invalid(
+                wait_field,
+                "only applies with concurrent = \"wait\"",
+            )),
+            (ConcurrentMode::Reject, None) => Ok(Concurrent::Reject),
+            (ConcurrentMode::Wait, wait) => {
+                Ok(Concurrent::Wait(wait.unwrap_or(DEFAULT_WAIT_TIMEOUT)))
+            }
+        }
+    }
+
+    /// `lease`, at least [`MIN_LEASE`] and long enough to outlast a renewal.
+    fn lease(&self, field: &str, store_timeout: Duration) -> Result<Duration, ConfigError> {
+        let lease = match self.lease {
+            Some(lease) => nonzero(field, lease)?,
+            None => DEFAULT_LEASE,
+        };
+        if lease < MIN_LEASE {
+            return Err(ConfigError::invalid(
+                field,
+                format!("must be at least {MIN_LEASE:?} (it is renewed at a third of it)"),
+            ));
+        }
+        lease_outlasts_a_renewal(lease, store_timeout)
+            .map_err(|why| ConfigError::invalid(field, why))?;
+        Ok(lease)
+    }
+}
+
+fn mismatch_status(field: &str, code: u16) -> Result<StatusCode, ConfigError> {
+    StatusCode::from_u16(code)
+        .ok()
+        .filter(StatusCode::is_client_error)
+        .ok_or_else(|| {
+            ConfigError::invalid(
+                field,
+                format!("{code} is not a client-error status; expected 400–499, e.g. 422 or 409"),
+            )
+        })
 }
 
 fn addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
@@ -1042,32 +1118,19 @@ fn addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
-fn parse_positive(field: &str, s: &str) -> Result<Duration, ConfigError> {
-    let d = parse_duration(s).map_err(|m| ConfigError::invalid(field, m))?;
+fn nonzero(field: &str, d: Duration) -> Result<Duration, ConfigError> {
     if d.is_zero() {
         return Err(ConfigError::invalid(field, "must be longer than zero"));
     }
     Ok(d)
 }
 
-fn positive_duration(
+fn positive(
     field: &str,
-    value: &Option<String>,
+    value: Option<Duration>,
     default: Duration,
 ) -> Result<Duration, ConfigError> {
-    value
-        .as_ref()
-        .map_or(Ok(default), |s| parse_positive(field, s))
-}
-
-fn duration(
-    field: &str,
-    value: &Option<String>,
-    default: Duration,
-) -> Result<Duration, ConfigError> {
-    value.as_ref().map_or(Ok(default), |s| {
-        parse_duration(s).map_err(|m| ConfigError::invalid(field, m))
-    })
+    value.map_or(Ok(default), |d| nonzero(field, d))
 }
 
 fn header_name(field: &str, s: &str) -> Result<HeaderName, ConfigError> {
@@ -1091,11 +1154,7 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Settings, ConfigError> {
-        let file: FileConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
-            path: PathBuf::from("test.toml"),
-            source,
-        })?;
-        file.validate()
+        FileConfig::from_toml(text, Path::new("test.toml"))?.validate()
     }
 
     fn field_of(text: &str) -> String {
@@ -1110,23 +1169,109 @@ mod tests {
 
     #[test]
     fn durations_read_with_units() {
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
-        assert_eq!(parse_duration("72h"), Ok(Duration::from_secs(3 * 86_400)));
-        assert_eq!(parse_duration("3d"), Ok(Duration::from_secs(3 * 86_400)));
-        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        // Every spelling in README.md, config/*.toml, the tests and scripts/, as the parser
+        // before humantime read it.
+        for (text, secs, millis) in [
+            ("500ms", 0, 500),
+            ("1500ms", 1, 500),
+            ("10ms", 0, 10),
+            ("100ms", 0, 100),
+            ("200ms", 0, 200),
+            ("300ms", 0, 300),
+            ("0s", 0, 0),
+            ("1s", 1, 0),
+            ("2s", 2, 0),
+            ("3s", 3, 0),
+            ("4s", 4, 0),
+            ("5s", 5, 0),
+            ("8s", 8, 0),
+            ("10s", 10, 0),
+            ("20s", 20, 0),
+            ("30s", 30, 0),
+            ("60s", 60, 0),
+            ("15m", 900, 0),
+            ("1h", 3600, 0),
+            ("2h", 7200, 0),
+            ("12h", 12 * 3600, 0),
+            ("24h", 86_400, 0),
+            ("72h", 3 * 86_400, 0),
+            ("3d", 3 * 86_400, 0),
+            ("1h30m", 5400, 0),
+            (" 30s ", 30, 0),
+            ("1d12h30m15s500ms", 131_415, 500),
+        ] {
+            let expected = Duration::from_secs(secs) + Duration::from_millis(millis);
+            assert_eq!(parse_duration(text), Ok(expected), "{text:?}");
+        }
+        // humantime's syntax adds spaces between parts, long unit names and fractions.
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2 minutes"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1w"), Ok(Duration::from_secs(7 * 86_400)));
         for bad in [
             "",
             "30",
             "s",
             "30x",
+            "30S",
             "-1s",
-            "1.5s",
+            "1,5s",
             "99999999999999999999d",
-            "30 s",
+            "3 parsecs",
         ] {
-            assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
+            let error = parse_duration(bad).expect_err(bad);
+            assert!(error.contains("is not a duration"), "{error}");
+        }
+        let error = parse_duration("3 parsecs").unwrap_err();
+        assert!(error.contains("unknown unit \"parsecs\""), "{error}");
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_kind_names_the_file_line_and_field() {
+        let text = "upstream = \"http://127.0.0.1:3000\"\n\
+                    [[routes]]\nprefix = \"/a\"\n\
+                    [[routes]]\nprefix = \"/b\"\nttl = \"3 parsecs\"\n";
+        let error = parse(text).unwrap_err();
+        assert_eq!(error.field(), Some("routes[1].ttl"));
+        assert_eq!(
+            error.to_string(),
+            "config file test.toml, line 6: routes[1].ttl: \"3 parsecs\" is not a duration \
+             (unknown unit \"parsecs\"); expected a number and a unit, e.g. \"500ms\", \"30s\", \
+             \"15m\", \"24h\", \"3d\" or \"1h 30m\""
+        );
+        let up = "upstream = \"http://127.0.0.1:3000\"\n";
+        for (text, field, hint) in [
+            (
+                format!("{up}on_store_error = \"ignore\""),
+                "on_store_error",
+                "`reject` or `pass`",
+            ),
+            (
+                format!("{up}[[routes]]\nprefix = \"/a\"\npreset = \"fast\""),
+                "routes[0].preset",
+                "`api`, `webhook`, `strict`",
+            ),
+            (
+                format!("{up}[[routes]]\nprefix = \"/a\"\nlease = 30"),
+                "routes[0].lease",
+                "expected a duration",
+            ),
+            (
+                format!("{up}max_request_bytes = -1"),
+                "max_request_bytes",
+                "expected a size",
+            ),
+            (
+                format!("{up}[limits]\nmax_header_bytes = \"8 parsecs\""),
+                "limits.max_header_bytes",
+                "unknown unit",
+            ),
+        ] {
+            let error = parse(&text).unwrap_err();
+            assert_eq!(error.field(), Some(field), "{text}");
+            let told = error.to_string();
+            assert!(told.starts_with("config file test.toml, line "), "{told}");
+            assert!(told.contains(hint), "{told}");
         }
     }
 
@@ -1192,7 +1337,7 @@ mod tests {
         assert_eq!(s.store, StoreSpec::parse(DEFAULT_STORE).unwrap());
         assert_eq!(s.store_timeout, DEFAULT_STORE_TIMEOUT);
         assert_eq!(s.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
-        assert_eq!(s.on_store_error, StoreErrorPolicy::Reject);
+        assert_eq!(s.on_store_error, OnStoreError::Reject);
         assert_eq!(s.limits.max_connections, DEFAULT_MAX_CONNECTIONS);
         assert!(s.admin_token.is_none());
         assert!(s.routes.is_empty());
@@ -1207,7 +1352,7 @@ mod tests {
         .unwrap();
         let o = Overrides {
             listen: Some("127.0.0.1:2000".into()),
-            ttl: Some("2h".into()),
+            ttl: Some(Duration::from_secs(7200)),
             ..Overrides::default()
         };
         let s = file.with_overrides(&o).validate().unwrap();
@@ -1322,7 +1467,7 @@ mod tests {
         assert_eq!(field_of(&format!("{up}listen = \"localhost\"")), "listen");
         assert_eq!(field_of(&format!("{up}store = \"sqlite:x\"")), "store");
         assert_eq!(
-            field_of(&format!("{up}store_timeout = \"2 seconds\"")),
+            field_of(&format!("{up}store_timeout = \"2 parsecs\"")),
             "store_timeout"
         );
         assert_eq!(

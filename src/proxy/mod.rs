@@ -33,6 +33,7 @@ use crate::ErrorChain;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
@@ -60,9 +61,14 @@ pub struct Cli {
     /// redb:./data/idemgate.redb].
     #[arg(long, env = "IDEMGATE_STORE", value_name = "STORE")]
     pub store: Option<String>,
-    /// Record lifetime for routes that do not set their own (30s, 24h, 3d).
-    #[arg(long, env = "IDEMGATE_TTL", value_name = "DURATION")]
-    pub ttl: Option<String>,
+    /// Record lifetime for routes that do not set their own (30s, 24h, 3d, 1h 30m).
+    #[arg(
+        long,
+        env = "IDEMGATE_TTL",
+        value_name = "DURATION",
+        value_parser = config::parse_duration
+    )]
+    pub ttl: Option<Duration>,
     /// Admin listener address [default: 127.0.0.1:9090].
     #[arg(long, env = "IDEMGATE_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<String>,
@@ -110,7 +116,7 @@ impl Cli {
             admin_listen: self.admin_listen.clone(),
             upstream: self.upstream.clone(),
             store: self.store.clone(),
-            ttl: self.ttl.clone(),
+            ttl: self.ttl,
             admin_token: self.admin_token.clone(),
             underscores_in_headers: self.underscores_in_headers,
         }
@@ -217,5 +223,23 @@ pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
         async {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ttl_flag_reads_durations_as_the_file_does() {
+        let cli = Cli::try_parse_from(["idemgate", "--ttl", "1h 30m"]).unwrap();
+        assert_eq!(cli.overrides().ttl, Some(Duration::from_secs(5400)));
+        let error = Cli::try_parse_from(["idemgate", "--ttl", "3 parsecs"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--ttl") && error.contains("\"3 parsecs\" is not a duration"),
+            "{error}"
+        );
     }
 }

@@ -22,14 +22,14 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::admin::{self, AdminState};
-use super::config::{Limits, Settings, StoreErrorPolicy, StoreSpec};
+use super::config::{Limits, Settings, StoreSpec};
 use super::forward::Forwarder;
 use super::http1::{self, WholeBody};
 use super::metrics::{InstrumentedStore, Metrics, UnroutedReason};
 use super::watchdog::{Activity, ActivityIo, ClientStream, InFlight, Verdict, Watchdog};
 use crate::IdempotencyLayer;
 use crate::body::ResponseBody;
-use crate::policy::{OnStoreError, RoutePolicy};
+use crate::policy::RoutePolicy;
 use crate::response::{Outcome, Problem};
 use crate::store::{Store, StoreError};
 
@@ -165,10 +165,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         .upstream_timeout(None)
         // The request log reads each response's outcome from its body.
         .outcome_on_body_only()
-        .on_store_error(match settings.on_store_error {
-            StoreErrorPolicy::Reject => OnStoreError::Reject,
-            StoreErrorPolicy::Pass => OnStoreError::Pass,
-        });
+        .on_store_error(settings.on_store_error);
     for route in &settings.routes {
         layer = layer.route(route.prefix.clone(), route.policy.clone());
     }

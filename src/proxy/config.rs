@@ -300,6 +300,17 @@ pub fn parse_byte_size(s: &str) -> Result<u64, String> {
 /// forms such as `sec`, `min`, `hours`, `days`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     use humantime::DurationError as Why;
+    // humantime panics on a few sums that come to exactly u64::MAX seconds ("18446744073709551615s
+    // 1000ms"); at most six numbers of at most ten digits can never come near that (six times
+    // 10^10 years is under a tenth of it), and leave every duration anyone means.
+    let numbers = s
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|run| !run.is_empty());
+    if numbers.clone().count() > 6 || numbers.into_iter().any(|run| run.len() > 10) {
+        return Err(format!(
+            "{s:?} is not a duration (too large: at most six numbers of at most ten digits)"
+        ));
+    }
     humantime::parse_duration(s).map_err(|error| {
         let why = match error {
             Why::UnknownUnit { unit, .. } if unit.is_empty() => " (no unit)".to_owned(),
@@ -1165,6 +1176,22 @@ mod tests {
                 .map(str::to_owned)
                 .unwrap_or_else(|| e.to_string()),
         }
+    }
+
+    #[test]
+    fn a_duration_too_large_to_add_up_is_refused_not_a_panic() {
+        for s in [
+            "18446744073709551615s 1000ms",
+            "99999999999s",
+            "1s 1s 1s 1s 1s 1s 1s",
+        ] {
+            let refused = parse_duration(s).unwrap_err();
+            assert!(refused.contains("too large"), "{refused}");
+        }
+        assert_eq!(
+            parse_duration("9999999999ms"),
+            Ok(Duration::from_millis(9_999_999_999))
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
+mod decision;
 #[cfg(feature = "redb")]
 mod handout;
 mod key_hash;

@@ -633,11 +633,11 @@ mod tests {
     use crate::store::UnknownOutcome;
 
     fn key(i: usize) -> RecordKey {
-        Hash256::of(format!("memory-test-{i}").as_bytes())
+        RecordKey::of(format!("memory-test-{i}").as_bytes())
     }
 
     fn fp() -> FingerprintHash {
-        Hash256::of(b"fp")
+        FingerprintHash::of(b"fp")
     }
 
     fn opts(ttl: Duration) -> ClaimOptions {

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, OwnerToken, RecordKey, StoredResponse};
+use idemgate::record::{Completion, FingerprintHash, OwnerToken, RecordKey, StoredResponse};
 use idemgate::store::{Claim, ClaimOptions, MemoryStore, Store, UnknownOutcome};
 
 /// Records live this long, so a run of millions of new keys keeps a bounded, steady-state
@@ -31,7 +31,7 @@ fn key(n: u64) -> RecordKey {
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&n.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
     bytes[8..16].copy_from_slice(&n.to_le_bytes());
-    Hash256(bytes)
+    RecordKey(bytes)
 }
 
 fn completion() -> Completion {
@@ -54,7 +54,7 @@ fn runtime() -> tokio::runtime::Runtime {
 fn memory_store(c: &mut Criterion) {
     let rt = runtime();
     let store = rt.block_on(async { Arc::new(MemoryStore::default()) });
-    let fingerprint = Hash256::of(b"fingerprint");
+    let fingerprint = FingerprintHash::of(b"fingerprint");
     let options = options();
     let stored = completion();
     let mut group = c.benchmark_group("memory_store");

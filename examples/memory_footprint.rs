@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, OwnerToken, RecordKey, StoredResponse};
+use idemgate::record::{Completion, FingerprintHash, OwnerToken, RecordKey, StoredResponse};
 use idemgate::store::{Claim, ClaimOptions, MemoryStore, MemoryStoreConfig, Store, UnknownOutcome};
 
 // The allocator the `idemgate` binary runs with, so the figures are the gateway's.
@@ -62,7 +62,7 @@ fn captured_response() -> Completion {
 }
 
 fn key(n: u64) -> RecordKey {
-    Hash256::of(&n.to_le_bytes())
+    RecordKey::of(&n.to_le_bytes())
 }
 
 /// Resident memory of this process, in bytes.
@@ -84,7 +84,7 @@ async fn put(store: &MemoryStore, n: u64, ttl: Duration) -> bool {
     let key = key(n);
     let token = OwnerToken::generate();
     match store
-        .claim(&key, &Hash256::of(b"request"), token, &options)
+        .claim(&key, &FingerprintHash::of(b"request"), token, &options)
         .await
     {
         Ok(Claim::Acquired(token)) => store

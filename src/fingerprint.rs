@@ -5,7 +5,7 @@
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::record::{FingerprintHash, Hash256, RecordKey};
+use crate::record::{FingerprintHash, RecordKey};
 
 /// A SHA-256 fed with length-prefixed fields.
 struct Fields(Sha256);
@@ -41,8 +41,8 @@ impl Fields {
         }
     }
 
-    fn finish(self) -> Hash256 {
-        Hash256(self.0.finalize().into())
+    fn finish(self) -> [u8; 32] {
+        self.0.finalize().into()
     }
 }
 
@@ -64,7 +64,7 @@ pub fn fingerprint(
     );
     f.headers(headers, fingerprint_headers);
     f.field(body);
-    f.finish()
+    FingerprintHash(f.finish())
 }
 
 /// Where the record of `key` lives: a hash of the route's name, the scope (the values of
@@ -79,7 +79,7 @@ pub fn record_key(
     f.field(route.as_bytes());
     f.headers(headers, scope_headers);
     f.field(key.as_bytes());
-    f.finish()
+    RecordKey(f.finish())
 }
 
 #[cfg(test)]
@@ -112,7 +112,8 @@ mod tests {
         h.insert(AUTHORIZATION, HeaderValue::from_static("Bearer a"));
         h.append(AUTHORIZATION, HeaderValue::from_static(""));
         let key = record_key("payments", &[AUTHORIZATION, CONTENT_TYPE], &h, "order-1001");
-        let hex: Vec<String> = cases.iter().chain([&key]).map(Hash256::to_hex).collect();
+        let mut hex: Vec<String> = cases.iter().map(FingerprintHash::to_hex).collect();
+        hex.push(key.to_hex());
         assert_eq!(
             hex,
             [

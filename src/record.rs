@@ -9,7 +9,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
-/// A SHA-256 digest. Used for record keys, fingerprints and body digests.
+/// A SHA-256 digest, such as a kept body's. Record keys and fingerprints are digests too, each
+/// of its own type: [`RecordKey`], [`FingerprintHash`].
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Hash256(pub [u8; 32]);
 
@@ -61,12 +62,65 @@ impl fmt::Debug for Hash256 {
     }
 }
 
-/// Where a record lives in a store: SHA-256 of the route, the scope and the key. Stores never
-/// see the raw key.
-pub type RecordKey = Hash256;
+/// Defines a SHA-256 digest with its own meaning: the same bytes, formats and `Debug` as a
+/// [`Hash256`], but a type of its own, so one kind of digest is never passed for another.
+macro_rules! digest_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(pub [u8; 32]);
 
-/// SHA-256 over what makes two requests "the same request" (see [`crate::fingerprint::fingerprint`]).
-pub type FingerprintHash = Hash256;
+        impl $name {
+            /// The SHA-256 digest of `bytes`, for tests and tools that need a value of this
+            /// type; the gateway derives its own from requests (see [`crate::fingerprint`]).
+            pub fn of(bytes: &[u8]) -> Self {
+                Self(Hash256::of(bytes).0)
+            }
+
+            /// The first 8 bytes as lowercase hex: short enough for a log line, long enough
+            /// to grep.
+            pub fn short(&self) -> String {
+                hex(&self.0[..8])
+            }
+
+            /// The full digest as lowercase hex.
+            pub fn to_hex(&self) -> String {
+                hex(&self.0)
+            }
+
+            /// Parses 64 hex digits.
+            pub fn from_hex(s: &str) -> Option<Self> {
+                Hash256::from_hex(s).map(|h| Self(h.0))
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}…", self.short())
+            }
+        }
+    };
+}
+
+digest_type! {
+    /// Where a record lives in a store: SHA-256 of the route, the scope and the key (see
+    /// [`crate::fingerprint::record_key`]). Stores never see the raw key.
+    ///
+    /// Its own type, not a [`Hash256`] nor a [`FingerprintHash`], so that a record key and a
+    /// fingerprint cannot be passed in each other's place. Stores keep its 32 bytes as they
+    /// are.
+    RecordKey
+}
+
+digest_type! {
+    /// SHA-256 over what makes two requests "the same request" (see
+    /// [`crate::fingerprint::fingerprint`]).
+    ///
+    /// Its own type, not a [`Hash256`] nor a [`RecordKey`], so that a fingerprint and a
+    /// record key cannot be passed in each other's place. Stores keep its 32 bytes as they
+    /// are.
+    FingerprintHash
+}
 
 /// Identifies the gateway task that owns an in-flight record. Completing, releasing, renewing
 /// or marking a record ambiguous succeeds only with the current token (fencing).
@@ -386,6 +440,33 @@ mod tests {
         assert_eq!(Hash256::from_hex(&h.to_hex()), Some(h));
         assert_eq!(h.short().len(), 16);
         assert_eq!(Hash256::from_hex("zz"), None);
+    }
+
+    /// A record key and a fingerprint are the same digest as a `Hash256` of the same bytes,
+    /// shown and parsed the same way: only their types differ.
+    #[test]
+    fn keys_and_fingerprints_are_digests_of_their_own_type() {
+        let h = Hash256::of(b"abc");
+        let key = RecordKey::of(b"abc");
+        let fingerprint = FingerprintHash::of(b"abc");
+        assert_eq!((key.0, fingerprint.0), (h.0, h.0));
+        for (hex, short, debug) in [
+            (key.to_hex(), key.short(), format!("{key:?}")),
+            (
+                fingerprint.to_hex(),
+                fingerprint.short(),
+                format!("{fingerprint:?}"),
+            ),
+        ] {
+            assert_eq!(
+                (hex, short, debug),
+                (h.to_hex(), h.short(), format!("{h:?}"))
+            );
+        }
+        assert_eq!(RecordKey::from_hex(&h.to_hex()), Some(key));
+        assert_eq!(FingerprintHash::from_hex(&h.to_hex()), Some(fingerprint));
+        assert_eq!(RecordKey::from_hex("zz"), None);
+        assert_eq!(FingerprintHash::from_hex("zz"), None);
     }
 
     #[test]

@@ -45,7 +45,7 @@ use bytes::Bytes;
 use http::header::{ALLOW, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderName, HeaderValue, Method, Response, StatusCode};
 
-use crate::record::{Hash256, StoredResponse};
+use crate::record::{RecordKey, StoredResponse};
 
 /// The header idemgate sets on every replayed response. idemgate owns it: it is removed from
 /// client requests and from upstream responses.
@@ -427,7 +427,7 @@ impl Problem {
     }
 
     /// `404 record-not-found`: the store holds nothing under `key`.
-    pub fn record_not_found(key: &Hash256) -> Self {
+    pub fn record_not_found(key: &RecordKey) -> Self {
         Self::new(
             ProblemKind::RecordNotFound,
             format!(
@@ -590,9 +590,9 @@ pub struct Outcome {
     pub decision: Decision,
     /// The route's name.
     pub route: Arc<str>,
-    /// The record key, when the request had a key (log its [`Hash256::short`], never the raw
+    /// The record key, when the request had a key (log its [`RecordKey::short`], never the raw
     /// key).
-    pub record: Option<Hash256>,
+    pub record: Option<RecordKey>,
 }
 
 /// Set by the inner service (the proxy's forwarder) on a response it made up because the
@@ -668,7 +668,7 @@ mod tests {
         let r = Problem::not_found("no route named \"x\"").into_response();
         assert_problem(&r, 404, "not-found");
 
-        let key = Hash256::of(b"k");
+        let key = RecordKey::of(b"k");
         let r = Problem::record_not_found(&key).into_response();
         let body = assert_problem(&r, 404, "record-not-found");
         assert!(body["detail"].as_str().unwrap().contains(&key.to_hex()));

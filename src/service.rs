@@ -159,7 +159,7 @@ fn answer<B>(
     problem: Problem,
     decision: Decision,
     route: &Route,
-    record: Option<Hash256>,
+    record: Option<RecordKey>,
 ) -> Response<ResponseBody<B>> {
     tag(
         problem.into_response().map(ResponseBody::full),
@@ -173,7 +173,7 @@ fn tag<B>(
     mut response: Response<ResponseBody<B>>,
     decision: Decision,
     route: &Route,
-    record: Option<Hash256>,
+    record: Option<RecordKey>,
 ) -> Response<ResponseBody<B>> {
     response.body_mut().set_outcome(Outcome {
         decision,

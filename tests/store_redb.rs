@@ -11,7 +11,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use idemgate::record::{Completion, Hash256, OwnerToken, Record, StoredResponse};
+use idemgate::record::{
+    Completion, FingerprintHash, OwnerToken, Record, RecordKey, StoredResponse,
+};
 use idemgate::store::{Claim, ClaimOptions, RedbStore, Store, Transition, UnknownOutcome};
 
 /// A database path no other test (nor another run) uses; removed on drop with redb's files.
@@ -72,9 +74,14 @@ fn long() -> ClaimOptions {
 }
 
 /// Claims `key` for the fingerprint every test here uses, under a fresh token.
-async fn claim(store: &RedbStore, key: &Hash256, options: &ClaimOptions) -> Claim {
+async fn claim(store: &RedbStore, key: &RecordKey, options: &ClaimOptions) -> Claim {
     store
-        .claim(key, &Hash256::of(b"fp"), OwnerToken::generate(), options)
+        .claim(
+            key,
+            &FingerprintHash::of(b"fp"),
+            OwnerToken::generate(),
+            options,
+        )
         .await
         .expect("claim")
 }
@@ -139,7 +146,7 @@ async fn open_creates_missing_parent_directories() {
 #[tokio::test]
 async fn records_and_tokens_survive_reopening() {
     let path = TempPath::new("reopen");
-    let (done, pending) = (Hash256::of(b"done"), Hash256::of(b"pending"));
+    let (done, pending) = (RecordKey::of(b"done"), RecordKey::of(b"pending"));
     let token = {
         let store = RedbStore::open(&path.0).unwrap();
         let Claim::Acquired(t) = claim(&store, &done, &long()).await else {
@@ -192,7 +199,7 @@ async fn space_of_expired_records_is_reused() {
                 let store = Arc::clone(&store);
                 tokio::spawn(async move {
                     for i in 0..63u32 {
-                        let key = Hash256::of(format!("reuse-{round}-{task}-{i}").as_bytes());
+                        let key = RecordKey::of(format!("reuse-{round}-{task}-{i}").as_bytes());
                         // A long lease and claim ttl: a slow commit on a busy disk must not
                         // let the claim lapse or its record expire before its completion
                         // lands. The completed record lives `ttl`.
@@ -244,7 +251,7 @@ async fn sweep_removes_expired_records_in_batches() {
             let store = Arc::clone(&store);
             tokio::spawn(async move {
                 for i in 0..100u32 {
-                    let key = Hash256::of(format!("sweep-{task}-{i}").as_bytes());
+                    let key = RecordKey::of(format!("sweep-{task}-{i}").as_bytes());
                     claim(&store, &key, &short).await;
                 }
             })
@@ -253,7 +260,7 @@ async fn sweep_removes_expired_records_in_batches() {
     for task in tasks {
         task.await.unwrap();
     }
-    let live = Hash256::of(b"live");
+    let live = RecordKey::of(b"live");
     claim(&store, &live, &long()).await;
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The writer sweeps on its own too, so count what is left rather than what this removed.
@@ -278,8 +285,8 @@ async fn sweep_removes_expired_records_in_batches() {
 const CRASH_FILE_ENV: &str = "IDEMGATE_TEST_CRASH_FILE";
 const CRASH_CHILD: &str = "crash_child_writes_until_killed";
 
-fn crash_key(i: u64) -> Hash256 {
-    Hash256::of(format!("crash-{i}").as_bytes())
+fn crash_key(i: u64) -> RecordKey {
+    RecordKey::of(format!("crash-{i}").as_bytes())
 }
 
 fn crash_body(i: u64) -> Vec<u8> {
@@ -316,7 +323,7 @@ fn crash_child_writes_until_killed() {
                     }
                     let i = n * 8 + writer;
                     let key = crash_key(i);
-                    let fp = Hash256::of(b"fp");
+                    let fp = FingerprintHash::of(b"fp");
                     let Ok(Claim::Acquired(token)) = store
                         .claim(&key, &fp, OwnerToken::generate(), &long())
                         .await
@@ -396,7 +403,7 @@ async fn acknowledged_records_survive_kill_9() {
         );
     }
     // The reopened file takes new writes.
-    let key = Hash256::of(b"after-crash");
+    let key = RecordKey::of(b"after-crash");
     assert!(matches!(
         claim(&store, &key, &long()).await,
         Claim::Acquired(_)

@@ -17,7 +17,7 @@ use idemgate::IdempotencyLayer;
 use idemgate::body::RequestBody;
 use idemgate::policy::RoutePolicy;
 use idemgate::record::{
-    Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey, StoredResponse,
+    Completion, FingerprintHash, OwnerToken, Record, RecordKey, StoredResponse,
 };
 use idemgate::store::{
     Claim, ClaimOptions, EvictionPolicy, Persistence, RedisStore, RedisStoreConfig, Store,
@@ -124,11 +124,11 @@ fn options() -> ClaimOptions {
 }
 
 fn key(name: &str) -> RecordKey {
-    Hash256::of(name.as_bytes())
+    RecordKey::of(name.as_bytes())
 }
 
-fn fingerprint(name: &str) -> Hash256 {
-    Hash256::of(format!("fingerprint {name}").as_bytes())
+fn fingerprint(name: &str) -> FingerprintHash {
+    FingerprintHash::of(format!("fingerprint {name}").as_bytes())
 }
 
 fn response(body: &[u8]) -> Completion {

@@ -80,7 +80,7 @@ pub async fn handle<B>(
         }
         (method, p) if p.starts_with("/records/") && RECORD_METHODS.contains(method) => {
             match refusal(&state, req.headers()) {
-                None => match Hash256::from_hex(&p["/records/".len()..]) {
+                None => match RecordKey::from_hex(&p["/records/".len()..]) {
                     Some(key) => record(&state, method, key).await,
                     None => problem(Problem::bad_request(
                         "the record key must be 64 hex digits (the `record` field /keys returns)",

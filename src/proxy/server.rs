@@ -951,7 +951,7 @@ impl std::fmt::Display for LoggedPath<'_> {
 }
 
 /// A record key in a log line (its short hash, or `-`), formatted only when written.
-struct LoggedRecord(Option<crate::record::Hash256>);
+struct LoggedRecord(Option<crate::record::RecordKey>);
 
 impl std::fmt::Display for LoggedRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

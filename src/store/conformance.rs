@@ -140,12 +140,12 @@ macro_rules! store_conformance_tests {
 /// A key no other check (nor an earlier run against a shared backend) uses.
 pub fn unique_key(label: &str) -> RecordKey {
     let token = OwnerToken::generate();
-    Hash256::of(format!("{label}/{:032x}", token.0).as_bytes())
+    RecordKey::of(format!("{label}/{:032x}", token.0).as_bytes())
 }
 
 /// A fingerprint for `label`.
 pub fn fingerprint(label: &str) -> FingerprintHash {
-    Hash256::of(format!("fingerprint/{label}").as_bytes())
+    FingerprintHash::of(format!("fingerprint/{label}").as_bytes())
 }
 
 /// Claim options.

@@ -38,14 +38,13 @@ impl KeyHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Hash256;
 
     #[test]
     fn equal_keys_hash_alike_and_hashers_differ() {
-        let key = Hash256::of(b"order-1");
+        let key = RecordKey::of(b"order-1");
         let (a, b) = (KeyHasher::new(), KeyHasher::new());
-        assert_eq!(a.hash(&key), a.hash(&Hash256::of(b"order-1")));
-        assert_ne!(a.hash(&key), a.hash(&Hash256::of(b"order-2")));
+        assert_eq!(a.hash(&key), a.hash(&RecordKey::of(b"order-1")));
+        assert_ne!(a.hash(&key), a.hash(&RecordKey::of(b"order-2")));
         // Each hasher draws its own seeds, so where a key lands is not known in advance.
         assert_ne!(a.hash(&key), b.hash(&key));
     }
@@ -59,7 +58,7 @@ mod tests {
         let mut low = vec![0u32; 1024];
         let mut top = vec![0u32; 128];
         for i in 0..4096u32 {
-            let h = hasher.hash(&Hash256::of(&i.to_le_bytes()));
+            let h = hasher.hash(&RecordKey::of(&i.to_le_bytes()));
             low[(h & 1023) as usize] += 1;
             top[(h >> 57) as usize] += 1;
         }

@@ -8,9 +8,8 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{
-    Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome, decode_completion,
-};
+use super::decision::{ClaimStep, Found, Held, Moment, decide};
+use super::{Claim, ClaimOptions, Store, StoreError, Transition, decode_completion};
 // A shard's lock is taken as it is when poisoned: every change under it is a few infallible
 // map operations, so a panic cannot leave a shard half-changed.
 use crate::lock::lock;
@@ -285,66 +284,56 @@ impl Inner {
                     lease_deadline: now + options.lease,
                 },
             };
-            let Some((id, row)) = shard.find(key) else {
-                if !self.reserve() {
-                    return None;
-                }
-                if shard.insert(*key, now + options.ttl, fresh()).is_err() {
-                    // The shard has no slot number left: as full as it can be.
-                    self.len.fetch_sub(1, Ordering::Relaxed);
-                    return None;
-                }
-                return Some(Ok(Claim::Acquired(token)));
-            };
-            if row.expires() <= now {
-                // Reuse the expired record's slot: the count does not change.
-                replace(shard, id, now + options.ttl, fresh());
-                return Some(Ok(Claim::Acquired(token)));
-            }
-            let same = row.value.fingerprint == *fingerprint;
-            match &row.value.state {
-                State::InFlight { lease_deadline, .. } if *lease_deadline > now => {
-                    return Some(Ok(if same {
-                        Claim::InFlight {
-                            lease_remaining: *lease_deadline - now,
-                        }
-                    } else {
-                        Claim::Mismatch
-                    }));
-                }
-                State::InFlight { .. } => {}
-                _ if !same => return Some(Ok(Claim::Mismatch)),
-                State::Completed {
+            let found = shard.find(key).map(|(id, row)| Found {
+                record: id,
+                expires: row.expires(),
+                same_fingerprint: row.value.fingerprint == *fingerprint,
+                state: match &row.value.state {
+                    State::InFlight { lease_deadline, .. } => Held::InFlight {
+                        lease_deadline: *lease_deadline,
+                    },
+                    State::Completed { completion, .. } => Held::Completed(completion),
+                    State::Ambiguous { .. } => Held::Ambiguous,
+                },
+            });
+            Some(Ok(match decide(found, options.on_lapse, now) {
+                ClaimStep::Answer(claim) => claim,
+                ClaimStep::Replay {
                     completion: Kept::Decoded(decoded),
                     ..
-                } => return Some(Ok(Claim::Completed(Arc::clone(decoded)))),
-                State::Completed {
+                } => Claim::Completed(Arc::clone(decoded)),
+                ClaimStep::Replay {
+                    record: id,
                     completion: Kept::Encoded(encoded),
-                    ..
                 } => {
                     let encoded = encoded.clone();
                     return Some(replay(shard, id, encoded));
                 }
-                State::Ambiguous { .. } => return Some(Ok(Claim::Ambiguous)),
-            }
-            // The lease lapsed: the outcome is unknown.
-            Some(Ok(match options.on_lapse {
-                UnknownOutcome::Retry => {
+                ClaimStep::Acquire { replaces: None } => {
+                    if !self.reserve() {
+                        return None;
+                    }
+                    if shard.insert(*key, now + options.ttl, fresh()).is_err() {
+                        // The shard has no slot number left: as full as it can be.
+                        self.len.fetch_sub(1, Ordering::Relaxed);
+                        return None;
+                    }
+                    Claim::Acquired(token)
+                }
+                ClaimStep::Acquire { replaces: Some(id) } => {
+                    // Reuse the expired or lapsed record's slot: the count does not change.
                     replace(shard, id, now + options.ttl, fresh());
                     Claim::Acquired(token)
                 }
-                UnknownOutcome::Ambiguous => {
+                ClaimStep::MakeAmbiguous { record: id, answer } => {
+                    // The lease lapsed: the outcome is unknown.
                     set_state(
                         shard,
                         id,
                         now + options.ttl,
                         State::Ambiguous { since: now },
                     );
-                    if same {
-                        Claim::Ambiguous
-                    } else {
-                        Claim::Mismatch
-                    }
+                    answer
                 }
             }))
         })
@@ -462,6 +451,12 @@ impl Sub for Tick {
 
     fn sub(self, earlier: Tick) -> Duration {
         Duration::from_nanos(self.0.saturating_sub(earlier.0))
+    }
+}
+
+impl Moment for Tick {
+    fn until(self, later: Tick) -> Duration {
+        later - self
     }
 }
 
@@ -635,13 +630,14 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::record::Hash256;
+    use crate::store::UnknownOutcome;
 
     fn key(i: usize) -> RecordKey {
-        Hash256::of(format!("memory-test-{i}").as_bytes())
+        RecordKey::of(format!("memory-test-{i}").as_bytes())
     }
 
     fn fp() -> FingerprintHash {
-        Hash256::of(b"fp")
+        FingerprintHash::of(b"fp")
     }
 
     fn opts(ttl: Duration) -> ClaimOptions {

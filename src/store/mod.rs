@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
 pub mod conformance;
+mod decision;
 #[cfg(feature = "redb")]
 mod handout;
 mod key_hash;
@@ -193,6 +194,10 @@ pub trait Store: Send + Sync + 'static {
     /// never arrived (a timeout, a dropped connection) can still be undone: a
     /// [`release`](Store::release) with the same token removes it if it landed and changes
     /// nothing if it did not.
+    ///
+    /// `key` and `fingerprint` are both SHA-256 digests but of distinct types
+    /// ([`RecordKey`], [`FingerprintHash`]): a call that passes one in the other's place
+    /// does not compile.
     async fn claim(
         &self,
         key: &RecordKey,

@@ -19,8 +19,7 @@ use super::{
     UnknownOutcome, decode_completion,
 };
 use crate::record::{
-    Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
-    from_unix_millis,
+    Completion, DecodeError, FingerprintHash, OwnerToken, Record, RecordKey, from_unix_millis,
 };
 
 const BACKEND: &str = "redis";
@@ -1195,7 +1194,7 @@ fn decode_record(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreEr
     };
     let fingerprint = fp
         .and_then(|fp| <[u8; 32]>::try_from(fp).ok())
-        .map(Hash256)
+        .map(FingerprintHash)
         .ok_or_else(|| corrupt("record without a valid fingerprint"))?;
     let time = |field: Option<Vec<u8>>| {
         field

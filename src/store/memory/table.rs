@@ -320,10 +320,9 @@ impl<V> Table<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Hash256;
 
     fn key(i: u64) -> RecordKey {
-        Hash256::of(&i.to_le_bytes())
+        RecordKey::of(&i.to_le_bytes())
     }
 
     fn removed_keys(table: &mut Table<u64>, now: u64, budget: usize) -> (Vec<u64>, Swept) {

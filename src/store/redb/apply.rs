@@ -5,7 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use redb::ReadableTable;
 
-use super::claim::{ClaimStep, ReadView, decide};
+use super::claim::{ReadView, seen};
 use super::clock::{after, millis};
 use super::codec::{
     Found, Header, StateHeader, StoredRow, decode_completion, encode_row_into, parse_row, split_row,
@@ -16,6 +16,7 @@ use super::journal::Journal;
 use super::ops::{Done, Op, Reply, Settled, Unanswered, done};
 use super::writer::SWEEP_BATCH;
 use crate::record::{FingerprintHash, OwnerToken, Record, RecordKey};
+use crate::store::decision::{ClaimStep, decide};
 use crate::store::{Claim, ClaimOptions, StoreError, Transition};
 
 pub(super) struct Tables<'t> {
@@ -219,49 +220,43 @@ impl Tables<'_> {
         // One read: a replay decodes the completion from it; a write drops it first.
         let value = self.stored(key)?;
         let row = value.as_ref().map(|(row, _)| *row);
-        let (found, completion) = match value.as_ref().map(|(_, v)| parse_row(v.value())) {
-            None => (None, &[][..]),
-            Some(Ok((header, completion))) => (Some(header), completion),
+        let found = match value.as_ref().map(|(_, v)| parse_row(v.value())) {
+            None => None,
+            Some(Ok((header, completion))) => Some(seen(header, completion, fingerprint)),
             Some(Err(e)) => return Ok(Err(corrupt(e))),
         };
-        let previous = |expiry: u64| row.map(|row| (row, expiry));
-        Ok(Ok(
-            match decide(found.as_ref(), fingerprint, options, now) {
-                ClaimStep::Answer(claim) => claim,
-                ClaimStep::Replay => match decode_completion(completion) {
-                    Ok(c) => Claim::Completed(Arc::new(c)),
-                    Err(e) => return Ok(Err(e)),
-                },
-                ClaimStep::Acquire { replaces } => {
-                    drop(value);
-                    let header = Header {
-                        fingerprint: *fingerprint,
-                        expires: after(now, options.ttl),
-                        state: StateHeader::InFlight {
-                            token,
-                            lease_deadline: after(now, options.lease),
-                            lease: millis(options.lease),
-                        },
-                    };
-                    self.put(key, &header, &[], replaces.and_then(previous))?;
-                    Claim::Acquired(token)
-                }
-                ClaimStep::MakeAmbiguous {
-                    fingerprint,
-                    old_expiry,
-                    answer,
-                } => {
-                    drop(value);
-                    let header = Header {
-                        fingerprint,
-                        expires: after(now, options.ttl),
-                        state: StateHeader::Ambiguous { since: now },
-                    };
-                    self.put(key, &header, &[], previous(old_expiry))?;
-                    answer
-                }
+        let previous = |found: Header| row.map(|row| (row, found.expires));
+        Ok(Ok(match decide(found, options.on_lapse, now) {
+            ClaimStep::Answer(claim) => claim,
+            ClaimStep::Replay { completion, .. } => match decode_completion(completion) {
+                Ok(c) => Claim::Completed(Arc::new(c)),
+                Err(e) => return Ok(Err(e)),
             },
-        ))
+            ClaimStep::Acquire { replaces } => {
+                drop(value);
+                let header = Header {
+                    fingerprint: *fingerprint,
+                    expires: after(now, options.ttl),
+                    state: StateHeader::InFlight {
+                        token,
+                        lease_deadline: after(now, options.lease),
+                        lease: millis(options.lease),
+                    },
+                };
+                self.put(key, &header, &[], replaces.and_then(previous))?;
+                Claim::Acquired(token)
+            }
+            ClaimStep::MakeAmbiguous { record, answer } => {
+                drop(value);
+                let header = Header {
+                    fingerprint: record.fingerprint,
+                    expires: after(now, options.ttl),
+                    state: StateHeader::Ambiguous { since: now },
+                };
+                self.put(key, &header, &[], previous(record))?;
+                answer
+            }
+        }))
     }
 
     /// Changes `key`'s record with `change` if it is in flight under `token`; `change` may

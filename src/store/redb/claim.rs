@@ -1,8 +1,7 @@
-//! What a claim does about the record it finds, and the answers a file that refuses writes
+//! How a claim sees the record it finds, and the answers a file that refuses writes
 //! can still give.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use redb::ReadableTable;
 
@@ -10,67 +9,25 @@ use super::codec::{Header, StateHeader, decode_completion, parse_row};
 use super::corrupt;
 use super::index::RowIndex;
 use crate::record::{DecodeError, FingerprintHash, Record, RecordKey};
-use crate::store::{Claim, ClaimOptions, StoreError, UnknownOutcome};
+use crate::store::decision::{ClaimStep, Found, Held, decide};
+use crate::store::{Claim, ClaimOptions, StoreError};
 
-/// What a claim does about the record it found.
-pub(super) enum ClaimStep {
-    /// Answer without a change.
-    Answer(Claim),
-    /// Answer with the stored completion.
-    Replay,
-    /// Write a fresh in-flight record, replacing the expired or lapsed one (with its expiry).
-    Acquire { replaces: Option<u64> },
-    /// Turn the lapsed in-flight record (with its fingerprint and expiry) ambiguous, then
-    /// answer.
-    MakeAmbiguous {
-        fingerprint: FingerprintHash,
-        old_expiry: u64,
-        answer: Claim,
-    },
-}
-
-pub(super) fn decide(
-    found: Option<&Header>,
+/// `found` (with its completion bytes) as the claim decision sees it, for a claim of
+/// `fingerprint`.
+pub(super) fn seen<'a>(
+    found: Header,
+    completion: &'a [u8],
     fingerprint: &FingerprintHash,
-    options: &ClaimOptions,
-    now: u64,
-) -> ClaimStep {
-    let Some(found) = found else {
-        return ClaimStep::Acquire { replaces: None };
-    };
-    if !found.is_live(now) {
-        return ClaimStep::Acquire {
-            replaces: Some(found.expires),
-        };
-    }
-    let same = found.fingerprint == *fingerprint;
-    match found.state {
-        StateHeader::InFlight { lease_deadline, .. } if lease_deadline > now => {
-            ClaimStep::Answer(if same {
-                Claim::InFlight {
-                    lease_remaining: Duration::from_millis(lease_deadline - now),
-                }
-            } else {
-                Claim::Mismatch
-            })
-        }
-        StateHeader::InFlight { .. } => match options.on_lapse {
-            UnknownOutcome::Retry => ClaimStep::Acquire {
-                replaces: Some(found.expires),
-            },
-            UnknownOutcome::Ambiguous => ClaimStep::MakeAmbiguous {
-                fingerprint: found.fingerprint,
-                old_expiry: found.expires,
-                answer: if same {
-                    Claim::Ambiguous
-                } else {
-                    Claim::Mismatch
-                },
-            },
+) -> Found<u64, Header, &'a [u8]> {
+    Found {
+        record: found,
+        expires: found.expires,
+        same_fingerprint: found.fingerprint == *fingerprint,
+        state: match found.state {
+            StateHeader::InFlight { lease_deadline, .. } => Held::InFlight { lease_deadline },
+            StateHeader::Completed { .. } => Held::Completed(completion),
+            StateHeader::Ambiguous { .. } => Held::Ambiguous,
         },
-        _ if !same => ClaimStep::Answer(Claim::Mismatch),
-        StateHeader::Completed { .. } => ClaimStep::Replay,
-        StateHeader::Ambiguous { .. } => ClaimStep::Answer(Claim::Ambiguous),
     }
 }
 
@@ -106,10 +63,11 @@ impl<T: ReadableTable<u64, &'static [u8]>> ReadView<'_, T> {
         now: u64,
     ) -> Option<Result<Claim, StoreError>> {
         self.with_record(key, |parsed| {
-            let (found, completion) = parsed.ok()?;
-            match decide(Some(&found), fingerprint, options, now) {
+            let (header, completion) = parsed.ok()?;
+            let found = seen(header, completion, fingerprint);
+            match decide(Some(found), options.on_lapse, now) {
                 ClaimStep::Answer(claim) => Some(Ok(claim)),
-                ClaimStep::Replay => {
+                ClaimStep::Replay { completion, .. } => {
                     Some(decode_completion(completion).map(|c| Claim::Completed(Arc::new(c))))
                 }
                 ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => None,

@@ -5,8 +5,7 @@ use bytes::Bytes;
 
 use super::BACKEND;
 use crate::record::{
-    Completion, DecodeError, FingerprintHash, Hash256, OwnerToken, Record, RecordKey,
-    from_unix_millis,
+    Completion, DecodeError, FingerprintHash, OwnerToken, Record, RecordKey, from_unix_millis,
 };
 use crate::store::StoreError;
 
@@ -102,7 +101,7 @@ impl Header {
         };
         Ok((
             Header {
-                fingerprint: Hash256(fingerprint),
+                fingerprint: FingerprintHash(fingerprint),
                 expires,
                 state,
             },
@@ -211,7 +210,7 @@ pub(super) fn split_row(row: &[u8]) -> Result<(RecordKey, &[u8]), DecodeError> {
     let (key, record) = row
         .split_first_chunk::<32>()
         .ok_or(DecodeError("truncated record"))?;
-    Ok((Hash256(*key), record))
+    Ok((RecordKey(*key), record))
 }
 
 /// The header of a stored row's record and, for a completed one, its completion bytes.
@@ -247,7 +246,7 @@ mod proptests {
             any::<u64>().prop_map(|since| StateHeader::Ambiguous { since }),
         ];
         (any::<[u8; 32]>(), any::<u64>(), state).prop_map(|(fingerprint, expires, state)| Header {
-            fingerprint: Hash256(fingerprint),
+            fingerprint: FingerprintHash(fingerprint),
             expires,
             state,
         })
@@ -267,9 +266,9 @@ mod proptests {
                 StateHeader::Completed { .. } => completion,
                 _ => Vec::new(),
             };
-            let row = encode_row(&Hash256(key), &header, &completion);
+            let row = encode_row(&RecordKey(key), &header, &completion);
             let (parsed_key, record) = split_row(&row).unwrap();
-            prop_assert_eq!(parsed_key, Hash256(key));
+            prop_assert_eq!(parsed_key, RecordKey(key));
             let (parsed, rest) = Header::parse(record).unwrap();
             prop_assert_eq!(parsed, header);
             prop_assert_eq!(rest, &completion[..]);
@@ -284,7 +283,7 @@ mod proptests {
             mutations in proptest::collection::vec(mutation(), 0..4),
             arbitrary in proptest::collection::vec(any::<u8>(), 0..128),
         ) {
-            let mut row = encode_row(&Hash256(key), &header, b"completion");
+            let mut row = encode_row(&RecordKey(key), &header, b"completion");
             for m in &mutations {
                 apply(&mut row, m);
             }

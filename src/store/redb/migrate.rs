@@ -4,7 +4,7 @@ use redb::{ReadableTable, TableDefinition, TableHandle};
 
 use super::codec::{Header, encode_row};
 use super::open::RECORDS;
-use crate::record::Hash256;
+use crate::record::RecordKey;
 
 /// The second layout's expiry index on disk: expiry ++ row number. Dropped at open.
 pub(super) const EXPIRIES_V2: TableDefinition<&[u8; 16], ()> =
@@ -49,7 +49,7 @@ pub(super) fn migrate(txn: &redb::WriteTransaction) -> Result<Option<Migrated>, 
         let old = txn.open_table(RECORDS_V1)?;
         for entry in old.iter()? {
             let (key, value) = entry?;
-            let key = Hash256(*key.value());
+            let key = RecordKey(*key.value());
             // An undecodable record cannot be given an expiry; it is not carried over.
             let Ok((header, completion)) = Header::parse(value.value()) else {
                 unreadable += 1;

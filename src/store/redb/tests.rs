@@ -23,7 +23,7 @@ use super::open::{
 };
 use super::ops::{Op, Reply};
 use super::writer::{CHECKPOINT_EVERY, Writer};
-use crate::record::{Completion, FingerprintHash, Hash256, OwnerToken, Record, RecordKey};
+use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 use crate::store::handout::Handout;
 use crate::store::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
 
@@ -37,7 +37,7 @@ impl Header {
 }
 
 fn headers() -> Vec<Header> {
-    let fingerprint = Hash256::of(b"fp");
+    let fingerprint = FingerprintHash::of(b"fp");
     vec![
         Header {
             fingerprint,
@@ -189,7 +189,7 @@ fn test_writer(path: &Path, (db, journal, rows): (Database, Journal, RowIndex)) 
 fn claim_op(key: RecordKey, token: OwnerToken) -> impl FnOnce(Reply<Claim>) -> Op {
     move |reply| Op::Claim {
         key,
-        fingerprint: Hash256::of(b"fp"),
+        fingerprint: FingerprintHash::of(b"fp"),
         token,
         options: ClaimOptions {
             lease: Duration::from_secs(600),
@@ -229,7 +229,7 @@ fn a_claim_whose_commit_failed_is_released_after_the_reopen() {
     let mut writer = test_writer(&path, attach(&RealDisk, db, &path, Some(now_ms())).unwrap());
     // A checkpoint is due: the batch is committed, and so synced, by redb itself.
     writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
-    let key = Hash256::of(b"k");
+    let key = RecordKey::of(b"k");
     let claim = |token| claim_op(key, token);
 
     fail.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -262,7 +262,7 @@ fn a_journal_write_that_fails_poisons_the_file_until_it_is_reopened() {
     // No checkpoint due: the batch goes to the journal.
     let mut writer = test_writer(&path, open_fresh(&path).unwrap());
     let claim = claim_op;
-    let key = Hash256::of(b"k");
+    let key = RecordKey::of(b"k");
 
     writer.journal.as_mut().unwrap().fail_writes().unwrap();
     let first = run_one(&mut writer, claim(key, OwnerToken::generate()));
@@ -282,7 +282,7 @@ fn a_journal_write_that_fails_poisons_the_file_until_it_is_reopened() {
     let journalled = writer.journal.as_ref().unwrap().last();
     let other = run_one(
         &mut writer,
-        claim(Hash256::of(b"other"), OwnerToken::generate()),
+        claim(RecordKey::of(b"other"), OwnerToken::generate()),
     );
     assert!(matches!(other, Ok(Claim::Acquired(_))), "{other:?}");
     assert_eq!(writer.journal.as_ref().unwrap().last(), journalled + 1);
@@ -297,7 +297,7 @@ fn a_journal_write_that_fails_poisons_the_file_until_it_is_reopened() {
 fn a_batch_whose_frame_failed_is_not_applied_and_those_before_it_are() {
     let path = temp_path("frame-failed");
     let mut writer = test_writer(&path, open_fresh(&path).unwrap());
-    let key = Hash256::of(b"k");
+    let key = RecordKey::of(b"k");
     let token = OwnerToken::generate();
     let claimed = run_one(&mut writer, claim_op(key, token));
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
@@ -335,11 +335,11 @@ fn a_batch_whose_frame_failed_is_not_applied_and_those_before_it_are() {
 #[test]
 fn deleting_an_undecodable_record_survives_a_crash() {
     let path = temp_path("delete-undecodable");
-    let key = Hash256::of(b"broken");
+    let key = RecordKey::of(b"broken");
     {
         let (db, _, _) = open_fresh(&path).unwrap();
         let header = Header {
-            fingerprint: Hash256::of(b"fp"),
+            fingerprint: FingerprintHash::of(b"fp"),
             expires: now_ms() + 600_000,
             state: StateHeader::Ambiguous { since: 1 },
         };
@@ -381,7 +381,7 @@ fn deleting_an_undecodable_record_survives_a_crash() {
 #[test]
 fn a_journal_is_not_applied_over_rows_an_older_binary_wrote() {
     let path = temp_path("downgrade");
-    let key = Hash256::of(b"charge");
+    let key = RecordKey::of(b"charge");
     let mut writer = test_writer(&path, open_fresh(&path).unwrap());
     let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
@@ -391,7 +391,7 @@ fn a_journal_is_not_applied_over_rows_an_older_binary_wrote() {
     // The older binary: it knows rows but not the journal, so it does not see the claim,
     // runs the request again and keeps its response, in the row after its last one.
     let completed = Header {
-        fingerprint: Hash256::of(b"fp"),
+        fingerprint: FingerprintHash::of(b"fp"),
         expires: now_ms() + 600_000,
         state: StateHeader::Completed {
             stored_at: now_ms(),
@@ -446,7 +446,7 @@ fn a_journal_is_not_applied_over_rows_an_older_binary_wrote() {
 #[test]
 fn a_frame_that_does_not_fit_the_file_is_refused() {
     let path = temp_path("frame-misfit");
-    let key = Hash256::of(b"k");
+    let key = RecordKey::of(b"k");
     let mut writer = test_writer(&path, open_fresh(&path).unwrap());
     let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
@@ -460,11 +460,11 @@ fn a_frame_that_does_not_fit_the_file_is_refused() {
                 state.remove(mark).unwrap();
             }
             let header = Header {
-                fingerprint: Hash256::of(b"fp"),
+                fingerprint: FingerprintHash::of(b"fp"),
                 expires: now_ms() + 600_000,
                 state: StateHeader::Ambiguous { since: 1 },
             };
-            let row = encode_row(&Hash256::of(b"other"), &header, &[]);
+            let row = encode_row(&RecordKey::of(b"other"), &header, &[]);
             txn.open_table(RECORDS)
                 .unwrap()
                 .insert(0, row.as_slice())
@@ -509,11 +509,11 @@ fn a_file_in_a_newer_format_is_refused() {
 #[test]
 fn a_record_in_flight_at_open_lapses_a_whole_lease_later() {
     let path = temp_path("lease-at-open");
-    let key = Hash256::of(b"running");
+    let key = RecordKey::of(b"running");
     {
         let (db, _, _) = open_fresh(&path).unwrap();
         let header = Header {
-            fingerprint: Hash256::of(b"fp"),
+            fingerprint: FingerprintHash::of(b"fp"),
             expires: now_ms() + 600_000,
             state: StateHeader::InFlight {
                 token: OwnerToken(7),
@@ -582,7 +582,7 @@ fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     let mut writer = writer_on(&disk, &path);
     let mut acknowledged = Vec::new();
     for name in ["a", "b", "c"] {
-        let key = Hash256::of(name.as_bytes());
+        let key = RecordKey::of(name.as_bytes());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         acknowledged.push(key);
@@ -595,7 +595,7 @@ fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     writer.reopen_wait = Duration::ZERO;
     let failed = run_one(
         &mut writer,
-        claim_op(Hash256::of(b"x"), OwnerToken::generate()),
+        claim_op(RecordKey::of(b"x"), OwnerToken::generate()),
     );
     assert!(
         matches!(failed, Err(StoreError::Unavailable { .. })),
@@ -606,7 +606,7 @@ fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     // The writer reopens the file and takes changes again: more acknowledged claims, on
     // both sides of the checkpoint its reopen makes.
     for name in ["d", "e"] {
-        let key = Hash256::of(name.as_bytes());
+        let key = RecordKey::of(name.as_bytes());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         assert!(writer.poisoned.is_none(), "reopened");
@@ -697,7 +697,7 @@ fn a_failed_journal_sync_loses_nothing_at_a_power_cut() {
     let mut writer = writer_on(&disk, &path);
     let mut acknowledged = Vec::new();
     for name in ["a", "b"] {
-        let key = Hash256::of(name.as_bytes());
+        let key = RecordKey::of(name.as_bytes());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         acknowledged.push(key);
@@ -706,14 +706,14 @@ fn a_failed_journal_sync_loses_nothing_at_a_power_cut() {
     writer.reopen_wait = Duration::ZERO;
     let failed = run_one(
         &mut writer,
-        claim_op(Hash256::of(b"x"), OwnerToken::generate()),
+        claim_op(RecordKey::of(b"x"), OwnerToken::generate()),
     );
     assert!(
         matches!(failed, Err(StoreError::Unavailable { .. })),
         "{failed:?}"
     );
     for name in ["c", "d"] {
-        let key = Hash256::of(name.as_bytes());
+        let key = RecordKey::of(name.as_bytes());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         acknowledged.push(key);
@@ -732,7 +732,7 @@ fn a_new_store_survives_a_power_cut() {
     let disk = super::sim_disk::SimDisk::default();
     let path = PathBuf::from("/sim/new/folder/records.redb");
     let mut writer = writer_on(&disk, &path);
-    let key = Hash256::of(b"first");
+    let key = RecordKey::of(b"first");
     let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
     disk.power_cut();
@@ -749,7 +749,7 @@ fn an_idle_writer_checkpoints_its_journal() {
     let mut writer = test_writer(&path, open_fresh(&path).unwrap());
     let claimed = run_one(
         &mut writer,
-        claim_op(Hash256::of(b"k"), OwnerToken::generate()),
+        claim_op(RecordKey::of(b"k"), OwnerToken::generate()),
     );
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
     let journal = writer.journal.as_ref().unwrap();
@@ -800,8 +800,8 @@ async fn callers_that_give_up_leave_no_answer_waiting() {
             .map(|i| {
                 let store = store.clone();
                 tokio::spawn(async move {
-                    let key = Hash256::of(&[round.to_be_bytes(), i.to_be_bytes()].concat());
-                    let fp = Hash256::of(b"fp");
+                    let key = RecordKey::of(&[round.to_be_bytes(), i.to_be_bytes()].concat());
+                    let fp = FingerprintHash::of(b"fp");
                     let claim = store.claim(&key, &fp, OwnerToken::generate(), &options);
                     if i % 3 == 0 {
                         // Gives up at once or part-way, whether or not it was answered.
@@ -831,7 +831,7 @@ async fn concurrent_changes_share_commits() {
     let path = temp_path("group-commit");
     let store = RedbStore::open(&path).unwrap();
     remove_files(&path);
-    let fp = Hash256::of(b"fp");
+    let fp = FingerprintHash::of(b"fp");
     let options = ClaimOptions {
         lease: Duration::from_secs(60),
         ttl: Duration::from_secs(60),
@@ -839,7 +839,7 @@ async fn concurrent_changes_share_commits() {
     };
     let mut owned = Vec::new();
     for i in 0..256u32 {
-        let key = Hash256::of(&i.to_be_bytes());
+        let key = RecordKey::of(&i.to_be_bytes());
         match store
             .claim(&key, &fp, OwnerToken::generate(), &options)
             .await
@@ -885,7 +885,7 @@ async fn changes_that_change_nothing_do_not_commit() {
         .shared
         .commits
         .load(std::sync::atomic::Ordering::Relaxed);
-    let key = Hash256::of(b"missing");
+    let key = RecordKey::of(b"missing");
     assert_eq!(
         store.release(&key, OwnerToken::generate()).await.unwrap(),
         Transition::Fenced
@@ -943,11 +943,11 @@ fn table_names(txn: &redb::ReadTransaction) -> Vec<String> {
 #[tokio::test]
 async fn a_file_in_the_first_layout_is_rewritten_with_its_records() {
     let path = temp_path("migrate");
-    let fp = Hash256::of(b"fp");
+    let fp = FingerprintHash::of(b"fp");
     let (done, running, expired) = (
-        Hash256::of(b"done"),
-        Hash256::of(b"running"),
-        Hash256::of(b"gone"),
+        RecordKey::of(b"done"),
+        RecordKey::of(b"running"),
+        RecordKey::of(b"gone"),
     );
     let completion = charge();
     let now = now_ms();
@@ -1031,11 +1031,11 @@ async fn a_file_in_the_first_layout_is_rewritten_with_its_records() {
 #[tokio::test]
 async fn a_file_with_the_expiry_index_on_disk_drops_it_and_keeps_its_records() {
     let path = temp_path("migrate-v2");
-    let fp = Hash256::of(b"fp");
+    let fp = FingerprintHash::of(b"fp");
     let (done, expired, broken) = (
-        Hash256::of(b"done"),
-        Hash256::of(b"gone"),
-        Hash256::of(b"broken"),
+        RecordKey::of(b"done"),
+        RecordKey::of(b"gone"),
+        RecordKey::of(b"broken"),
     );
     let completion = charge();
     let now = now_ms();
@@ -1098,9 +1098,9 @@ async fn a_file_with_the_expiry_index_on_disk_drops_it_and_keeps_its_records() {
 
 #[test]
 fn a_rows_expiry_is_read_even_when_its_record_is_not() {
-    let key = Hash256::of(b"k");
+    let key = RecordKey::of(b"k");
     let header = Header {
-        fingerprint: Hash256::of(b"fp"),
+        fingerprint: FingerprintHash::of(b"fp"),
         expires: 1234,
         state: StateHeader::Ambiguous { since: 1 },
     };

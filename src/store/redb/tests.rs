@@ -631,7 +631,9 @@ fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
     let mut writer = writer_on(&disk, &path);
     // Enough completed records for many pages, most of which the next process's commits
     // never touch (a record in flight would be written again at the next open).
-    let completed: Vec<RecordKey> = (0..400u32).map(|i| Hash256::of(&i.to_be_bytes())).collect();
+    let completed: Vec<RecordKey> = (0..400u32)
+        .map(|i| RecordKey::of(&i.to_be_bytes()))
+        .collect();
     for &key in &completed {
         let token = OwnerToken::generate();
         let claimed = run_one(&mut writer, claim_op(key, token));
@@ -659,7 +661,7 @@ fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
     let mut writer = writer_on(&disk, &path);
     let mut running = Vec::new();
     for name in ["c", "d"] {
-        let key = Hash256::of(name.as_bytes());
+        let key = RecordKey::of(name.as_bytes());
         let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         running.push(key);

@@ -191,6 +191,21 @@ async fn acquire(store: &RedisStore, name: &str) -> OwnerToken {
     }
 }
 
+/// Claims `name` and keeps `response(name)` for it, for a minute.
+async fn keep(store: &RedisStore, name: &str) {
+    let token = acquire(store, name).await;
+    let done = store
+        .complete(
+            &key(name),
+            token,
+            response(name.as_bytes()),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Transition::Applied);
+}
+
 /// Polls `ping` until it succeeds; a bounded loop, for after a fault is cleared.
 async fn until_ping_succeeds(store: &RedisStore) {
     for _ in 0..100 {
@@ -823,17 +838,7 @@ fn chain(error: &StoreError) -> String {
 async fn restart_without_persistence_refuses_claims_until_acknowledged() {
     let mut server = RedisServer::start();
     let store = connect(fault_config(&server)).await;
-    let token = acquire(&store, "kept").await;
-    let done = store
-        .complete(
-            &key("kept"),
-            token,
-            response(b"kept"),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-    assert_eq!(done, Transition::Applied);
+    keep(&store, "kept").await;
 
     // The test server keeps nothing across a restart: the record is forgotten, and a retry
     // of its request would run a second time if the store went on claiming.
@@ -931,17 +936,7 @@ async fn restart_with_appendonly_keeps_the_marker_and_serves() {
             fsync: "everysec".to_owned()
         })
     );
-    let token = acquire(&store, "kept").await;
-    let done = store
-        .complete(
-            &key("kept"),
-            token,
-            response(b"kept"),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-    assert_eq!(done, Transition::Applied);
+    keep(&store, "kept").await;
 
     server.restart();
     until_ping_succeeds(&store).await;

@@ -32,6 +32,14 @@ pub struct IdempotencyLayer {
     shared: Arc<Shared>,
 }
 
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.shared.store.backend())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Counters the layer keeps for whoever exports metrics.
 #[derive(Debug, Default)]
 pub struct LayerStats {

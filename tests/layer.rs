@@ -1099,3 +1099,19 @@ async fn a_claim_whose_answer_was_lost_is_undone_so_the_retry_runs() {
     assert_eq!(retry.decision, Decision::Executed);
     assert_eq!(up.calls(), 1);
 }
+
+/// The layer and its service show what they wrap, and the service hands its inner service
+/// back, as tower-http's middlewares do.
+#[test]
+fn the_layer_and_its_service_are_debug_and_give_back_the_inner_service() {
+    #[derive(Debug, Clone, PartialEq)]
+    struct Inner(u8);
+
+    let layer = IdempotencyLayer::new(Arc::new(MemoryStore::default()));
+    assert!(format!("{layer:?}").contains("memory"), "{layer:?}");
+    let mut service = tower::Layer::layer(&layer, Inner(7));
+    assert!(format!("{service:?}").contains("Inner(7)"), "{service:?}");
+    service.get_mut().0 = 8;
+    assert_eq!(service.get_ref(), &Inner(8));
+    assert_eq!(service.into_inner(), Inner(8));
+}

@@ -60,6 +60,15 @@ pub struct AdminState {
     pub draining: Arc<AtomicBool>,
 }
 
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState")
+            .field("store", &self.store.backend())
+            .field("store_timeout", &self.store_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The admin response body.
 pub type AdminBody = Full<Bytes>;
 

@@ -52,6 +52,15 @@ pub struct Forwarder {
     client_ip: Option<HeaderValue>,
 }
 
+impl std::fmt::Debug for Forwarder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarder")
+            .field("host", &self.shared.host)
+            .field("client_ip", &self.client_ip)
+            .finish_non_exhaustive()
+    }
+}
+
 struct ForwarderShared {
     pool: Arc<Pool>,
     /// The `Host` sent upstream: the upstream's own authority.

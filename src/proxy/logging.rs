@@ -37,6 +37,7 @@ pub const BATCH_AGE: Duration = Duration::from_millis(100);
 pub static STDERR: LogBatch = LogBatch::empty();
 
 /// Log lines not written yet; see the module documentation.
+#[derive(Debug)]
 pub struct LogBatch {
     lines: Mutex<Vec<u8>>,
 }
@@ -90,6 +91,7 @@ fn write_out(lines: &mut Vec<u8>) {
 }
 
 /// One event's writer: appends to the batch, and writes the batch out when it is full.
+#[derive(Debug)]
 pub struct LineWriter<'a>(&'a LogBatch);
 
 impl Write for LineWriter<'_> {

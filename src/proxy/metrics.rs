@@ -495,6 +495,14 @@ pub struct InstrumentedStore {
     metrics: Arc<Metrics>,
 }
 
+impl std::fmt::Debug for InstrumentedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InstrumentedStore")
+            .field("backend", &self.inner.backend())
+            .finish_non_exhaustive()
+    }
+}
+
 impl InstrumentedStore {
     /// Wraps `inner`, reporting into `metrics`.
     pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {

@@ -37,10 +37,10 @@ const GATEWAY_ENV: [&str; 10] = [
 ];
 
 /// A directory under the system temp dir, removed on drop.
-pub struct TempDir(PathBuf);
+pub(crate) struct TempDir(PathBuf);
 
 impl TempDir {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         static N: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
             "idemgate-proxy-test-{}-{}",
@@ -51,11 +51,11 @@ impl TempDir {
         Self(dir)
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.0
     }
 
-    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+    pub(crate) fn write(&self, name: &str, contents: &str) -> PathBuf {
         let path = self.0.join(name);
         std::fs::write(&path, contents).expect("write temp file");
         path
@@ -70,7 +70,7 @@ impl Drop for TempDir {
 
 /// What the test upstream saw.
 #[derive(Default)]
-pub struct UpstreamState {
+pub(crate) struct UpstreamState {
     /// Requests that reached the handler, by path.
     hits: Mutex<HashMap<String, u64>>,
     /// Requests that finished (their response was written to hyper).
@@ -90,18 +90,18 @@ pub struct UpstreamState {
 /// - `x-size: N` answers N bytes of `a` instead of the JSON, in 64 KiB frames.
 /// - `/close…` answers with `Connection: close` (the connection ends after the response).
 /// - The body is JSON: `{"path", "n" (hits on this path so far), "body_len", "headers"}`.
-pub struct TestUpstream {
-    pub addr: SocketAddr,
-    pub state: Arc<UpstreamState>,
+pub(crate) struct TestUpstream {
+    pub(crate) addr: SocketAddr,
+    pub(crate) state: Arc<UpstreamState>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl TestUpstream {
-    pub async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         Self::start_on("127.0.0.1:0".parse().unwrap()).await
     }
 
-    pub async fn start_on(addr: SocketAddr) -> Self {
+    pub(crate) async fn start_on(addr: SocketAddr) -> Self {
         let listener = TcpListener::bind(addr).await.expect("bind upstream");
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(UpstreamState::default());
@@ -125,17 +125,17 @@ impl TestUpstream {
         Self { addr, state, task }
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
     /// Connections the upstream accepted.
-    pub fn connections(&self) -> u64 {
+    pub(crate) fn connections(&self) -> u64 {
         self.state.connections.load(Ordering::SeqCst)
     }
 
     /// Requests that reached the handler on `path`.
-    pub fn hits(&self, path: &str) -> u64 {
+    pub(crate) fn hits(&self, path: &str) -> u64 {
         self.state
             .hits
             .lock()
@@ -147,22 +147,22 @@ impl TestUpstream {
 
     /// Waits (polling, at most 5 s) until one request has reached the handler on `path`;
     /// panics if none does.
-    pub async fn wait_for_hit(&self, path: &str) {
+    pub(crate) async fn wait_for_hit(&self, path: &str) {
         eventually(100, || async { (self.hits(path) == 1).then_some(()) })
             .await
             .unwrap_or_else(|| panic!("no request on {path} reached the upstream"));
     }
 
     /// Requests that reached the handler on any path.
-    pub fn total_hits(&self) -> u64 {
+    pub(crate) fn total_hits(&self) -> u64 {
         self.state.hits.lock().unwrap().values().sum()
     }
 
-    pub fn finished(&self) -> u64 {
+    pub(crate) fn finished(&self) -> u64 {
         self.state.finished.load(Ordering::SeqCst)
     }
 
-    pub fn last_headers(&self) -> HeaderMap {
+    pub(crate) fn last_headers(&self) -> HeaderMap {
         self.state
             .last_headers
             .lock()
@@ -171,7 +171,7 @@ impl TestUpstream {
             .expect("the upstream saw a request")
     }
 
-    pub fn stop(self) {
+    pub(crate) fn stop(self) {
         self.task.abort();
     }
 }
@@ -265,7 +265,7 @@ async fn handle(
 
 /// A response body sent frame by frame, with its length (a `Content-Length`) or without
 /// (chunked on the wire).
-pub struct Frames {
+pub(crate) struct Frames {
     frames: std::collections::VecDeque<Bytes>,
     sized: bool,
 }
@@ -311,28 +311,28 @@ impl http_body::Body for Frames {
 }
 
 /// A free port on 127.0.0.1 with nothing listening (bound, then released).
-pub fn free_addr() -> SocketAddr {
+pub(crate) fn free_addr() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap()
 }
 
 /// The gateway binary running as a child process; killed on drop.
-pub struct Gateway {
+pub(crate) struct Gateway {
     child: Child,
-    pub addr: SocketAddr,
-    pub admin: SocketAddr,
+    pub(crate) addr: SocketAddr,
+    pub(crate) admin: SocketAddr,
     logs: Arc<Mutex<String>>,
 }
 
 impl Gateway {
     /// Starts `idemgate` with `args`, listening on free ports, and waits for its first line.
-    pub fn start(args: &[&str]) -> Self {
+    pub(crate) fn start(args: &[&str]) -> Self {
         Self::start_with(args, &[])
     }
 
     /// Starts `idemgate` in front of `upstream` on the store `store`, with `config` as its TOML
     /// file (written into `dir`), then `extra` arguments.
-    pub fn start_configured(
+    pub(crate) fn start_configured(
         dir: &TempDir,
         upstream: &TestUpstream,
         store: &str,
@@ -358,13 +358,13 @@ impl Gateway {
     }
 
     /// As [`Gateway::start`], with environment variables set on the child.
-    pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
+    pub(crate) fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
         Self::start_command(gateway_command(), args, env)
     }
 
     /// Starts `cmd` (a [`gateway_command`] or [`gateway_command_after`]) as
     /// [`Gateway::start_with`] does.
-    pub fn start_command(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
+    pub(crate) fn start_command(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Self {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
@@ -422,13 +422,13 @@ impl Gateway {
         }
     }
 
-    pub fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
     /// The logs once they hold `needle`, waiting up to 5 s (they are read by a thread of the
     /// test, so the last lines come in a moment after they are written).
-    pub async fn logs_with(&self, needle: &str) -> Option<String> {
+    pub(crate) async fn logs_with(&self, needle: &str) -> Option<String> {
         eventually(100, || async {
             let logs = self.logs();
             logs.contains(needle).then_some(logs)
@@ -436,16 +436,16 @@ impl Gateway {
         .await
     }
 
-    pub fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Sends SIGTERM to this child (by its pid).
-    pub fn sigterm(&self) {
+    pub(crate) fn sigterm(&self) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
@@ -454,18 +454,18 @@ impl Gateway {
     }
 
     /// Kills this child with SIGKILL (`kill -9`: no drain, no clean close) and waits for it.
-    pub fn kill9(&mut self) -> ExitStatus {
+    pub(crate) fn kill9(&mut self) -> ExitStatus {
         let _ = self.child.kill();
         self.child.wait().expect("wait for the killed idemgate")
     }
 
     /// Whether the child is still running.
-    pub fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Waits for the child to exit, at most `limit`.
-    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+    pub(crate) fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let deadline = std::time::Instant::now() + limit;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -489,7 +489,7 @@ impl Drop for Gateway {
 }
 
 /// The gateway command with a clean `IDEMGATE_*` environment.
-pub fn gateway_command() -> Command {
+pub(crate) fn gateway_command() -> Command {
     without_gateway_env(Command::new(env!("CARGO_BIN_EXE_idemgate")))
 }
 
@@ -502,7 +502,7 @@ fn without_gateway_env(mut cmd: Command) -> Command {
 
 /// The gateway command run by `bash`, which first runs the shell line `setup` and then execs
 /// the gateway in its own process: the child's pid is the gateway's.
-pub fn gateway_command_after(setup: &str) -> Command {
+pub(crate) fn gateway_command_after(setup: &str) -> Command {
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(format!("{setup}; exec \"$0\" \"$@\""))
@@ -512,14 +512,14 @@ pub fn gateway_command_after(setup: &str) -> Command {
 
 /// A response, read whole.
 #[derive(Debug)]
-pub struct Resp {
-    pub status: u16,
-    pub headers: HeaderMap,
-    pub body: Bytes,
+pub(crate) struct Resp {
+    pub(crate) status: u16,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
 }
 
 impl Resp {
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
             panic!(
                 "body is not JSON ({e}): {:?}",
@@ -528,18 +528,18 @@ impl Resp {
         })
     }
 
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
 
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
     }
 
     /// The `type` of a problem+json body.
-    pub fn problem_type(&self) -> String {
+    pub(crate) fn problem_type(&self) -> String {
         assert_eq!(
             self.headers
                 .get("content-type")
@@ -554,18 +554,23 @@ impl Resp {
 }
 
 /// The `Idempotency-Key` header with value `k`, for `send`'s header list.
-pub fn key(k: &str) -> (&'static str, &str) {
+pub(crate) fn key(k: &str) -> (&'static str, &str) {
     ("idempotency-key", k)
 }
 
 /// Sends one HTTP/1.1 request and reads the whole response.
-pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+pub(crate) async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     send_with(&client, method, url, headers, body).await
 }
 
 /// Sends one request over prior-knowledge HTTP/2 (h2c).
-pub async fn send_h2c(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+pub(crate) async fn send_h2c(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
     let client = Client::builder(TokioExecutor::new())
         .http2_only(true)
         .build_http::<Full<Bytes>>();
@@ -601,7 +606,7 @@ async fn send_with(
 
 /// Writes `request` on a fresh connection and reads until the server closes it (at most
 /// 10 s). Returns everything read.
-pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
+pub(crate) async fn raw(addr: SocketAddr, request: &[u8]) -> String {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream.write_all(request).await.unwrap();
     let mut out = Vec::new();
@@ -610,12 +615,12 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
 }
 
 /// Reads `GET` from the admin listener.
-pub async fn admin_get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> Resp {
+pub(crate) async fn admin_get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> Resp {
     send("GET", &format!("http://{}{path}", gw.admin), headers, "").await
 }
 
 /// Polls `f` every 50 ms until it returns `Some`, at most `tries` times.
-pub async fn eventually<T, F, Fut>(tries: usize, mut f: F) -> Option<T>
+pub(crate) async fn eventually<T, F, Fut>(tries: usize, mut f: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 const READY_WITHIN: Duration = Duration::from_secs(10);
 
 /// A `redis-server` child process owned by one test.
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
@@ -29,19 +29,19 @@ pub struct RedisServer {
 
 impl RedisServer {
     /// Starts a server with the test defaults.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self::start_with(&[])
     }
 
     /// Starts a server with extra command-line options, e.g.
     /// `["--maxmemory-policy", "allkeys-lru"]`.
-    pub fn start_with(extra_args: &[&str]) -> Self {
+    pub(crate) fn start_with(extra_args: &[&str]) -> Self {
         Self::start_serving(extra_args, false)
     }
 
     /// Starts a server that accepts only TLS connections, with a certificate for 127.0.0.1
     /// signed by a CA of its own ([`ca_file`](Self::ca_file)); clients need no certificate.
-    pub fn start_tls() -> Self {
+    pub(crate) fn start_tls() -> Self {
         Self::start_serving(&[], true)
     }
 
@@ -78,29 +78,29 @@ impl RedisServer {
     }
 
     /// `redis://127.0.0.1:PORT`, or `rediss://127.0.0.1:PORT` for a TLS server.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let scheme = if self.tls { "rediss" } else { "redis" };
         format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// The PEM file of the CA that signed a TLS server's certificate.
-    pub fn ca_file(&self) -> PathBuf {
+    pub(crate) fn ca_file(&self) -> PathBuf {
         self.dir.join("ca.crt")
     }
 
     /// The port the server listens on (kept across restarts).
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.port
     }
 
     /// The server's process id, while it runs.
-    pub fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
 
     /// Kills the server (SIGKILL) and waits for it to exit; the port stays reserved in name
     /// only, for [`restart`](Self::restart).
-    pub fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -108,7 +108,7 @@ impl RedisServer {
     }
 
     /// Starts the server again on the same port after [`stop`](Self::stop).
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.stop();
         assert!(
             self.spawn(),
@@ -119,12 +119,12 @@ impl RedisServer {
     }
 
     /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
-    pub fn pause(&self) {
+    pub(crate) fn pause(&self) {
         self.signal("-STOP");
     }
 
     /// Thaws a [`pause`](Self::pause)d server (SIGCONT).
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.signal("-CONT");
     }
 

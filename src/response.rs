@@ -725,15 +725,15 @@ mod tests {
                 status.is_client_error() || status.is_server_error(),
                 "{kind:?}"
             );
-            // The module docs and the README list every slug.
+            // The module docs and docs/behaviour.md list every slug.
             let row = format!("| `{}` |", kind.slug());
             assert!(
                 include_str!("response.rs").contains(&row),
                 "{kind:?} is missing from the module docs"
             );
             assert!(
-                include_str!("../README.md").contains(&row),
-                "{kind:?} is missing from the README"
+                include_str!("../docs/behaviour.md").contains(&row),
+                "{kind:?} is missing from docs/behaviour.md"
             );
         }
     }

@@ -1196,7 +1196,7 @@ mod tests {
 
     #[test]
     fn durations_read_with_units() {
-        // Every spelling in README.md, config/*.toml, the tests and scripts/, as the parser
+        // Every spelling in docs/proxy.md, config/*.toml, the tests and scripts/, as the parser
         // before humantime read it.
         for (text, secs, millis) in [
             ("500ms", 0, 500),

@@ -22,7 +22,7 @@ pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default key header (IETF draft).
 pub const DEFAULT_KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");
 
-/// The three starting points of the SPEC's route table.
+/// The three starting points of the route presets (docs/behaviour.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Preset {
@@ -262,7 +262,8 @@ impl Default for RoutePolicy {
 }
 
 impl RoutePolicy {
-    /// A policy with every part taken from `preset` and the SPEC's defaults elsewhere.
+    /// A policy with every part taken from `preset` and the behaviour contract's defaults
+    /// elsewhere.
     pub fn preset(preset: Preset) -> Self {
         Self {
             name: "default".to_owned(),

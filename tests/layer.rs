@@ -1,4 +1,5 @@
-//! The layer's behaviour through `ServiceBuilder` + `oneshot`, one SPEC rule per test.
+//! The layer's behaviour through `ServiceBuilder` + `oneshot`, one rule of the behaviour
+//! contract (docs/behaviour.md) per test.
 
 use std::convert::Infallible;
 use std::sync::Arc;

@@ -286,16 +286,8 @@ async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart(
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_restarted_without_persistence_refuses_claims_until_acknowledged() {
     const TOKEN: &str = "admin-token-0123456789";
-    let mut redis = redis_server::RedisServer::start();
-    let upstream = TestUpstream::start().await;
-    let dir = TempDir::new();
-    let gw = Gateway::start_configured(
-        &dir,
-        &upstream,
-        &redis.url(),
-        &format!("store_timeout = \"500ms\"\nadmin_token = \"{TOKEN}\"\n"),
-        &[],
-    );
+    let config = format!("store_timeout = \"500ms\"\nadmin_token = \"{TOKEN}\"\n");
+    let (mut redis, upstream, _dir, gw) = warm_redis_gateway(&config).await;
     let first = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
     assert_eq!(first.status, 201, "{}", first.text());
     gw.logs_with("appendonly is no")
@@ -351,22 +343,16 @@ async fn redis_restarted_without_persistence_refuses_claims_until_acknowledged()
 
 // ---- Redis hung (SIGSTOP) -----------------------------------------------------------------
 
-/// A Redis, an upstream and a gateway on that Redis with `store_timeout`, after one keyed
-/// request has gone through (the connection to Redis is open).
+/// A Redis, an upstream and a gateway on that Redis with the config file `config`, after one
+/// keyed request has gone through (the connection to Redis is open).
 #[cfg(feature = "redis")]
 async fn warm_redis_gateway(
-    store_timeout: &str,
+    config: &str,
 ) -> (redis_server::RedisServer, TestUpstream, TempDir, Gateway) {
     let redis = redis_server::RedisServer::start();
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
-    let gw = Gateway::start_configured(
-        &dir,
-        &upstream,
-        &redis.url(),
-        &format!("store_timeout = \"{store_timeout}\"\n"),
-        &[],
-    );
+    let gw = Gateway::start_configured(&dir, &upstream, &redis.url(), config, &[]);
     let warm = send("POST", &gw.url("/warm"), &[key("k-warm")], "x").await;
     assert_eq!(warm.status, 201, "{}", warm.text());
     (redis, upstream, dir, gw)
@@ -375,7 +361,7 @@ async fn warm_redis_gateway(
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread")]
 async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
-    let (redis, upstream, _dir, gw) = warm_redis_gateway("1s").await;
+    let (redis, upstream, _dir, gw) = warm_redis_gateway("store_timeout = \"1s\"\n").await;
 
     redis.pause();
     // Resume Redis even if an assertion below fails, so its drop (SIGKILL) is all that is left.
@@ -416,7 +402,7 @@ async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread")]
 async fn a_store_timeout_above_one_second_is_the_one_redis_calls_get() {
-    let (redis, upstream, _dir, gw) = warm_redis_gateway("8s").await;
+    let (redis, upstream, _dir, gw) = warm_redis_gateway("store_timeout = \"8s\"\n").await;
 
     // Redis stops answering for 2 s, well within the 8 s store timeout: the call waits for
     // it instead of failing at a 1 s bound of the store's own.

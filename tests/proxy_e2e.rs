@@ -8,7 +8,8 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    Gateway, TempDir, TestUpstream, admin_get, eventually, free_addr, key, raw, send, send_h2c,
+    Gateway, TempDir, TestUpstream, admin_get, assert_metrics_show, eventually, free_addr, key,
+    raw, send, send_h2c,
 };
 
 const TOKEN: &str = "test-admin-token-0123456789";
@@ -1101,17 +1102,11 @@ async fn a_request_without_exactly_one_valid_host_is_a_400_and_not_forwarded() {
             .status,
         201
     );
-    let counted = eventually(100, || async {
-        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
-        text.contains("\nidemgate_unrouted_requests_total{reason=\"malformed\"} 8\n")
-            .then_some(())
-    })
+    assert_metrics_show(
+        &s.gw,
+        &["idemgate_unrouted_requests_total{reason=\"malformed\"} 8"],
+    )
     .await;
-    assert!(
-        counted.is_some(),
-        "{}",
-        admin_get(&s.gw, "/metrics", &[]).await.text()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1607,18 +1602,14 @@ async fn requests_over_the_header_limits_get_a_431_problem() {
     // requests_total; they are counted apart, by reason.
     let answer = raw(s.gw.addr, b"POST /bad\x01 HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-    let counted = eventually(100, || async {
-        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
-        let malformed = "\nidemgate_unrouted_requests_total{reason=\"malformed\"} 1\n";
-        let too_large = "\nidemgate_unrouted_requests_total{reason=\"too_large\"} 3\n";
-        (text.contains(malformed) && text.contains(too_large)).then_some(())
-    })
+    assert_metrics_show(
+        &s.gw,
+        &[
+            "idemgate_unrouted_requests_total{reason=\"malformed\"} 1",
+            "idemgate_unrouted_requests_total{reason=\"too_large\"} 3",
+        ],
+    )
     .await;
-    assert!(
-        counted.is_some(),
-        "{}",
-        admin_get(&s.gw, "/metrics", &[]).await.text()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1646,17 +1637,11 @@ async fn a_body_with_a_transfer_coding_other_than_chunked_gets_a_501_problem() {
     let plain = send("POST", &s.gw.url("/te-keyed"), &[key("k-te")], "hello").await;
     assert_eq!(plain.status, 201);
     assert_eq!(s.upstream.hits("/te-keyed"), 1);
-    let counted = eventually(100, || async {
-        let text = admin_get(&s.gw, "/metrics", &[]).await.text();
-        text.contains("\nidemgate_unrouted_requests_total{reason=\"unsupported\"} 2\n")
-            .then_some(())
-    })
+    assert_metrics_show(
+        &s.gw,
+        &["idemgate_unrouted_requests_total{reason=\"unsupported\"} 2"],
+    )
     .await;
-    assert!(
-        counted.is_some(),
-        "{}",
-        admin_get(&s.gw, "/metrics", &[]).await.text()
-    );
 }
 
 // ---- operating it -------------------------------------------------------------------------

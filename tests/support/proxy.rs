@@ -619,6 +619,24 @@ pub(crate) async fn admin_get(gw: &Gateway, path: &str, headers: &[(&str, &str)]
     send("GET", &format!("http://{}{path}", gw.admin), headers, "").await
 }
 
+/// Waits (up to 5 s) until `/metrics` shows each of `lines` as a whole line; panics with the
+/// metrics otherwise.
+pub(crate) async fn assert_metrics_show(gw: &Gateway, lines: &[&str]) {
+    let shown = eventually(100, || async {
+        let text = admin_get(gw, "/metrics", &[]).await.text();
+        lines
+            .iter()
+            .all(|line| text.lines().any(|l| l == *line))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        shown.is_some(),
+        "expected {lines:?} in:\n{}",
+        admin_get(gw, "/metrics", &[]).await.text()
+    );
+}
+
 /// Polls `f` every 50 ms until it returns `Some`, at most `tries` times.
 pub(crate) async fn eventually<T, F, Fut>(tries: usize, mut f: F) -> Option<T>
 where

@@ -32,6 +32,7 @@ impl Clock {
     }
 }
 
+/// Whole milliseconds of `d`, truncated (deadlines are kept in milliseconds).
 pub(super) fn millis(d: Duration) -> u64 {
     d.as_millis().min(u128::from(u64::MAX)) as u64
 }

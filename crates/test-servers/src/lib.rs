@@ -1,0 +1,6 @@
+//! Real servers for idemgate's tests, started on free loopback ports and stopped by their own
+//! pid when dropped: nothing a test did not start is ever touched.
+
+pub mod redis;
+
+pub use redis::RedisServer;

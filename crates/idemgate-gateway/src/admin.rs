@@ -143,7 +143,7 @@ fn metrics(state: &AdminState) -> Response<AdminBody> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     response.headers_mut().insert(
         CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        HeaderValue::from_static(super::metrics::CONTENT_TYPE),
     );
     response
 }

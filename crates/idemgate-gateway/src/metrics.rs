@@ -1,74 +1,39 @@
-//! Counters and latency histograms, written out in the Prometheus text format by the admin
-//! listener. Label sets are bounded: routes come from the config, outcomes, store operations
-//! and upstream error kinds are fixed lists.
+//! Counters and latency histograms, exposed in the Prometheus text format by the admin
+//! listener through `prometheus-client`. Label sets are bounded: routes come from the config,
+//! outcomes, store operations and upstream error kinds are fixed lists. The hot path holds a
+//! handle on each series it counts (an atomic, or a histogram under a short lock), so counting
+//! never looks a label set up; only a route the config does not name (possible through the
+//! library API alone) is found by its labels.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use prometheus_client::encoding::{EncodeLabelSet, prometheus_text};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use idemgate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 use idemgate::response::Decision;
 use idemgate::store::{Claim, ClaimOptions, DataLossStatus, Store, StoreError, Transition};
+
+/// The `Content-Type` of what [`Metrics::render`] writes.
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
 
 /// Upper bounds of the latency histogram buckets, in seconds.
 const BUCKETS: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
 ];
 
-/// A latency histogram with fixed buckets.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
-}
-
-impl Histogram {
-    /// Records one observation.
-    pub fn observe(&self, elapsed: Duration) {
-        let secs = elapsed.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
-        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
-    }
-
-    /// How many observations were recorded.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn write(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
-            );
-        }
-        let count = self.count();
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
-        } else {
-            let _ = writeln!(
-                out,
-                "{name}_sum{{{labels}}} {sum}\n{name}_count{{{labels}}} {count}"
-            );
-        }
-    }
+fn latency_histogram() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
 /// Why an upstream call produced no response.
@@ -160,11 +125,35 @@ impl StoreOp {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreLabels {
+    backend: &'static str,
+    op: &'static str,
+}
+
+/// One store operation's series: how long its calls waited, how many failed, how many were
+/// given up.
+#[derive(Clone, Debug)]
 struct StoreOpMetrics {
     duration: Histogram,
-    errors: AtomicU64,
-    cancelled: AtomicU64,
+    errors: Counter,
+    abandoned: Counter,
 }
 
 /// Values read from the layer at scrape time.
@@ -180,67 +169,23 @@ pub struct LayerCounters {
     pub in_flight: u64,
 }
 
-/// Requests by route and decision. The configured routes' counters are plain atomics, found
-/// by a scan of a few names; a route not configured (only possible through the library API)
-/// is counted under a lock.
-#[derive(Debug, Default)]
-struct RequestCounters {
-    routes: Vec<(Arc<str>, [AtomicU64; Decision::ALL.len()])>,
-    others: Mutex<BTreeMap<(Arc<str>, Decision), u64>>,
-}
-
-impl RequestCounters {
-    fn count(&self, route: &str, decision: Decision) {
-        match self.routes.iter().find(|(name, _)| &**name == route) {
-            Some((_, counts)) => {
-                counts[decision as usize].fetch_add(1, Ordering::Relaxed);
-            }
-            None => {
-                let mut others = self
-                    .others
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                *others.entry((Arc::from(route), decision)).or_insert(0) += 1;
-            }
-        }
-    }
-
-    fn get(&self, route: &str, decision: Decision) -> u64 {
-        self.snapshot()
-            .get(&(Arc::from(route), decision))
-            .copied()
-            .unwrap_or(0)
-    }
-
-    /// Every non-zero count, ordered by route name and then decision.
-    fn snapshot(&self) -> BTreeMap<(Arc<str>, Decision), u64> {
-        let mut all = self
-            .others
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        for (name, counts) in &self.routes {
-            for (decision, count) in Decision::ALL.into_iter().zip(counts) {
-                let n = count.load(Ordering::Relaxed);
-                if n > 0 {
-                    *all.entry((Arc::clone(name), decision)).or_insert(0) += n;
-                }
-            }
-        }
-        all
-    }
-}
+type StoreHistograms = Family<StoreLabels, Histogram, fn() -> Histogram>;
 
 /// Everything the gateway counts.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    requests: RequestCounters,
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    /// Handles on the configured routes' request counters, by decision.
+    routes: Vec<(Arc<str>, [Counter; Decision::ALL.len()])>,
     upstream: Histogram,
-    upstream_errors: [AtomicU64; UpstreamErrorKind::ALL.len()],
-    store_ops: [StoreOpMetrics; StoreOp::ALL.len()],
-    open_connections: AtomicU64,
-    abandoned_requests: AtomicU64,
-    unrouted_requests: [AtomicU64; UnroutedReason::ALL.len()],
+    upstream_errors: [Counter; UpstreamErrorKind::ALL.len()],
+    unrouted_requests: [Counter; UnroutedReason::ALL.len()],
+    store_durations: StoreHistograms,
+    store_errors: Family<StoreLabels, Counter>,
+    store_abandoned: Family<StoreLabels, Counter>,
+    open_connections: Gauge,
+    abandoned_requests: Counter,
     /// Set when shutdown gave up on open requests: those are cut by the gateway, not
     /// abandoned by their clients.
     cut_off: AtomicBool,
@@ -249,52 +194,167 @@ pub struct Metrics {
 impl Metrics {
     /// Empty metrics.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Self::with_routes([])
     }
 
-    /// Empty metrics with a lock-free request counter for each of `routes` (the configured
-    /// route names); requests on other routes are counted too, under a lock.
+    /// Empty metrics with a series for each decision on each of `routes` (the configured
+    /// route names), counted without a lookup; requests on other routes are counted too.
     pub fn with_routes<'a>(routes: impl IntoIterator<Item = &'a str>) -> Arc<Self> {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "idemgate_requests",
+            "Requests handled, by route and the gateway's decision",
+            requests.clone(),
+        );
+        let upstream = latency_histogram();
+        registry.register(
+            "idemgate_upstream_duration_seconds",
+            "Time from sending a request upstream to its response head",
+            upstream.clone(),
+        );
+        let upstream_errors = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "idemgate_upstream_errors",
+            "Upstream calls that produced no response, by kind",
+            upstream_errors.clone(),
+        );
+        let unrouted = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "idemgate_unrouted_requests",
+            "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP), too_large (431, header fields past the limits; 414, a target too long) or unsupported (501, a transfer coding other than chunked alone)",
+            unrouted.clone(),
+        );
+        let store_durations: StoreHistograms = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "idemgate_store_duration_seconds",
+            "Time one store call waited, by operation (0 if answered at once)",
+            store_durations.clone(),
+        );
+        let store_errors = Family::<StoreLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_call_errors",
+            "Store calls that returned an error, by operation",
+            store_errors.clone(),
+        );
+        let store_abandoned = Family::<StoreLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_calls_abandoned",
+            "Store calls given up before they answered (store_timeout)",
+            store_abandoned.clone(),
+        );
+        let abandoned_requests = Counter::default();
+        registry.register(
+            "idemgate_requests_abandoned",
+            "Requests whose client went away before their response was ready (a keyed one already sent upstream still finishes and keeps its response)",
+            abandoned_requests.clone(),
+        );
+        let open_connections = Gauge::default();
+        registry.register(
+            "idemgate_open_connections",
+            "Client connections open now",
+            open_connections.clone(),
+        );
+        let routes = routes
+            .into_iter()
+            .map(|route| {
+                let counters = Decision::ALL.map(|decision| {
+                    requests
+                        .get_or_create(&RequestLabels {
+                            route: route.to_owned(),
+                            outcome: decision.as_str(),
+                        })
+                        .clone()
+                });
+                (Arc::from(route), counters)
+            })
+            .collect();
         Arc::new(Self {
-            requests: RequestCounters {
-                routes: routes
-                    .into_iter()
-                    .map(|name| (Arc::from(name), Default::default()))
-                    .collect(),
-                others: Mutex::default(),
-            },
-            ..Self::default()
+            upstream_errors: UpstreamErrorKind::ALL.map(|kind| {
+                let labels = KindLabels {
+                    kind: kind.as_str(),
+                };
+                upstream_errors.get_or_create(&labels).clone()
+            }),
+            unrouted_requests: UnroutedReason::ALL.map(|reason| {
+                let labels = ReasonLabels {
+                    reason: reason.as_str(),
+                };
+                unrouted.get_or_create(&labels).clone()
+            }),
+            registry,
+            requests,
+            routes,
+            upstream,
+            store_durations,
+            store_errors,
+            store_abandoned,
+            open_connections,
+            abandoned_requests,
+            cut_off: AtomicBool::new(false),
+        })
+    }
+
+    /// Handles on every store operation's series for `backend`.
+    fn store_ops(&self, backend: &'static str) -> [StoreOpMetrics; StoreOp::ALL.len()] {
+        StoreOp::ALL.map(|op| {
+            let labels = StoreLabels {
+                backend,
+                op: op.as_str(),
+            };
+            StoreOpMetrics {
+                duration: self.store_durations.get_or_create(&labels).clone(),
+                errors: self.store_errors.get_or_create(&labels).clone(),
+                abandoned: self.store_abandoned.get_or_create(&labels).clone(),
+            }
         })
     }
 
     /// Counts one handled request.
     pub fn count_request(&self, route: &str, decision: Decision) {
-        self.requests.count(route, decision);
+        match self.routes.iter().find(|(name, _)| &**name == route) {
+            Some((_, counters)) => {
+                counters[decision as usize].inc();
+            }
+            None => {
+                let labels = RequestLabels {
+                    route: route.to_owned(),
+                    outcome: decision.as_str(),
+                };
+                self.requests.get_or_create(&labels).inc();
+            }
+        }
     }
 
     /// How many requests were counted for `route` and `decision`.
     pub fn requests(&self, route: &str, decision: Decision) -> u64 {
-        self.requests.get(route, decision)
+        let labels = RequestLabels {
+            route: route.to_owned(),
+            outcome: decision.as_str(),
+        };
+        self.requests
+            .get(&labels)
+            .map_or(0, |counter| counter.get())
     }
 
     /// Records how long the upstream took to answer with a response head.
     pub fn observe_upstream(&self, elapsed: Duration) {
-        self.upstream.observe(elapsed);
+        self.upstream.observe(elapsed.as_secs_f64());
     }
 
     /// Counts an upstream call that produced no response.
     pub fn count_upstream_error(&self, kind: UpstreamErrorKind) {
-        self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+        self.upstream_errors[kind as usize].inc();
     }
 
     /// Counts a request whose client went away before its response was ready.
     pub fn count_abandoned_request(&self) {
-        self.abandoned_requests.fetch_add(1, Ordering::Relaxed);
+        self.abandoned_requests.inc();
     }
 
     /// Counts a request answered before any route saw it.
     pub fn count_unrouted_request(&self, reason: UnroutedReason) {
-        self.unrouted_requests[reason as usize].fetch_add(1, Ordering::Relaxed);
+        self.unrouted_requests[reason as usize].inc();
     }
 
     /// Marks the requests still open as cut off by shutdown (its grace passed).
@@ -309,181 +369,76 @@ impl Metrics {
 
     /// Counts a client connection opened.
     pub fn connection_opened(&self) {
-        self.open_connections.fetch_add(1, Ordering::Relaxed);
+        self.open_connections.inc();
     }
 
     /// Counts a client connection closed.
     pub fn connection_closed(&self) {
-        self.open_connections.fetch_sub(1, Ordering::Relaxed);
+        self.open_connections.dec();
     }
 
-    /// Writes every metric in the Prometheus text exposition format (version 0.0.4); the
-    /// store metrics are labelled with `backend` (the store's [`Store::backend`]), and
-    /// `data_loss` is the store's [`Store::data_loss`].
+    /// Writes every metric in the Prometheus text exposition format (version 0.0.4,
+    /// [`CONTENT_TYPE`]): the gateway's own, then the values read at scrape time (the
+    /// layer's counters, and `data_loss`, the store's [`Store::data_loss`], labelled with
+    /// `backend`, the store's [`Store::backend`]).
     pub fn render(
         &self,
-        backend: &str,
+        backend: &'static str,
         layer: LayerCounters,
         data_loss: &DataLossStatus,
     ) -> String {
-        let mut out = String::with_capacity(8 * 1024);
-        out.push_str(
-            "# HELP idemgate_requests_total Requests handled, by route and the gateway's decision.\n\
-             # TYPE idemgate_requests_total counter\n",
-        );
-        for ((route, decision), n) in self.requests.snapshot() {
-            let _ = writeln!(
-                out,
-                "idemgate_requests_total{{route=\"{}\",outcome=\"{}\"}} {n}",
-                escape_label(&route),
-                decision.as_str()
-            );
-        }
-        out.push_str(
-            "# HELP idemgate_upstream_duration_seconds Time from sending a request upstream to its response head.\n\
-             # TYPE idemgate_upstream_duration_seconds histogram\n",
-        );
-        self.upstream
-            .write(&mut out, "idemgate_upstream_duration_seconds", "");
-        write_counters(
-            &mut out,
-            "idemgate_upstream_errors_total",
-            "Upstream calls that produced no response, by kind.",
-            UpstreamErrorKind::ALL.map(|kind| {
-                let n = self.upstream_errors[kind as usize].load(Ordering::Relaxed);
-                (("kind", kind.as_str()), n)
-            }),
-        );
-        write_counters(
-            &mut out,
-            "idemgate_unrouted_requests_total",
-            "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP), too_large (431, header fields past the limits; 414, a target too long) or unsupported (501, a transfer coding other than chunked alone).",
-            UnroutedReason::ALL.map(|reason| {
-                let n = self.unrouted_requests[reason as usize].load(Ordering::Relaxed);
-                (("reason", reason.as_str()), n)
-            }),
-        );
-        out.push_str(
-            "# HELP idemgate_store_duration_seconds Time one store call waited, by operation (0 if answered at once).\n\
-             # TYPE idemgate_store_duration_seconds histogram\n",
-        );
-        for op in StoreOp::ALL {
-            let labels = format!("backend=\"{backend}\",op=\"{}\"", op.as_str());
-            self.store_ops[op as usize].duration.write(
-                &mut out,
-                "idemgate_store_duration_seconds",
-                &labels,
-            );
-        }
-        out.push_str(
-            "# HELP idemgate_store_call_errors_total Store calls that returned an error, by operation.\n\
-             # TYPE idemgate_store_call_errors_total counter\n",
-        );
-        for op in StoreOp::ALL {
-            let n = self.store_ops[op as usize].errors.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idemgate_store_call_errors_total{{backend=\"{backend}\",op=\"{}\"}} {n}",
-                op.as_str()
-            );
-        }
-        out.push_str(
-            "# HELP idemgate_store_calls_abandoned_total Store calls given up before they answered (store_timeout).\n\
-             # TYPE idemgate_store_calls_abandoned_total counter\n",
-        );
-        for op in StoreOp::ALL {
-            let n = self.store_ops[op as usize]
-                .cancelled
-                .load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idemgate_store_calls_abandoned_total{{backend=\"{backend}\",op=\"{}\"}} {n}",
-                op.as_str()
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP idemgate_store_data_lost 1 while the store refuses new claims because its backend lost the records it kept (a Redis restarted without persistence, say), until an operator acknowledges it (POST /admin/store/acknowledge-data-loss); 0 otherwise.\n\
-             # TYPE idemgate_store_data_lost gauge\n\
-             idemgate_store_data_lost{{backend=\"{backend}\"}} {}\n\
-             # HELP idemgate_store_data_losses_total Losses of the backend's data the store has found.\n\
-             # TYPE idemgate_store_data_losses_total counter\n\
-             idemgate_store_data_losses_total{{backend=\"{backend}\"}} {}",
-            u8::from(data_loss.unacknowledged.is_some()),
-            data_loss.detected,
-        );
-        let gauges = [
-            (
-                "idemgate_store_errors_total",
-                "counter",
-                "Store calls the gateway saw fail or time out.",
-                layer.store_errors,
-            ),
-            (
-                "idemgate_requests_abandoned_total",
-                "counter",
-                "Requests whose client went away before their response was ready (a keyed one already sent upstream still finishes and keeps its response).",
-                self.abandoned_requests.load(Ordering::Relaxed),
-            ),
-            (
-                "idemgate_fenced_completions_total",
-                "counter",
-                "Completions refused because another owner had taken the record over.",
-                layer.fenced_completions,
-            ),
-            (
-                "idemgate_unprotected_passes_total",
-                "counter",
-                "Requests forwarded without protection because the store was down (on_store_error = \"pass\").",
-                layer.unprotected_passes,
-            ),
-            (
-                "idemgate_records_in_flight",
-                "gauge",
-                "Records this gateway holds in flight now.",
-                layer.in_flight,
-            ),
-            (
-                "idemgate_open_connections",
-                "gauge",
-                "Client connections open now.",
-                self.open_connections.load(Ordering::Relaxed),
-            ),
-        ];
-        for (name, kind, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-            );
-        }
+        let mut out = String::with_capacity(16 * 1024);
+        // Writing to a String cannot fail.
+        let _ = prometheus_text::encode(&mut out, &self.registry);
+        let _ = prometheus_text::encode(&mut out, &scrape_time(backend, layer, data_loss));
         out
     }
 }
 
-/// A counter with one label: its help and type lines, then one line per label value.
-fn write_counters<const N: usize>(
-    out: &mut String,
-    name: &str,
-    help: &str,
-    counts: [((&str, &str), u64); N],
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-    for ((label, value), n) in counts {
-        let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {n}");
+/// The values read at scrape time, as a registry of constants.
+fn scrape_time(
+    backend: &'static str,
+    layer: LayerCounters,
+    data_loss: &DataLossStatus,
+) -> Registry {
+    let mut registry = Registry::default();
+    let counters = [
+        (
+            "idemgate_store_errors",
+            "Store calls the gateway saw fail or time out",
+            layer.store_errors,
+        ),
+        (
+            "idemgate_fenced_completions",
+            "Completions refused because another owner had taken the record over",
+            layer.fenced_completions,
+        ),
+        (
+            "idemgate_unprotected_passes",
+            "Requests forwarded without protection because the store was down (on_store_error = \"pass\")",
+            layer.unprotected_passes,
+        ),
+    ];
+    for (name, help, value) in counters {
+        registry.register(name, help, ConstCounter::new(value));
     }
-}
-
-fn escape_label(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    out
+    registry.register(
+        "idemgate_records_in_flight",
+        "Records this gateway holds in flight now",
+        ConstGauge::new(i64::try_from(layer.in_flight).unwrap_or(i64::MAX)),
+    );
+    let store = registry.sub_registry_with_label(("backend".into(), backend.into()));
+    store.register(
+        "idemgate_store_data_lost",
+        "1 while the store refuses new claims because its backend lost the records it kept (a Redis restarted without persistence, say), until an operator acknowledges it (POST /admin/store/acknowledge-data-loss); 0 otherwise",
+        ConstGauge::new(i64::from(data_loss.unacknowledged.is_some())),
+    );
+    store.register(
+        "idemgate_store_data_losses",
+        "Losses of the backend's data the store has found",
+        ConstCounter::new(data_loss.detected),
+    );
+    registry
 }
 
 /// A [`Store`] that times every call of the store it wraps and counts its errors.
@@ -492,7 +447,7 @@ fn escape_label(s: &str) -> String {
 /// future is dropped.
 pub struct InstrumentedStore {
     inner: Arc<dyn Store>,
-    metrics: Arc<Metrics>,
+    ops: [StoreOpMetrics; StoreOp::ALL.len()],
 }
 
 impl std::fmt::Debug for InstrumentedStore {
@@ -506,11 +461,12 @@ impl std::fmt::Debug for InstrumentedStore {
 impl InstrumentedStore {
     /// Wraps `inner`, reporting into `metrics`.
     pub fn new(inner: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
-        Self { inner, metrics }
+        let ops = metrics.store_ops(inner.backend());
+        Self { inner, ops }
     }
 
     fn timed<F>(&self, op: StoreOp, call: F) -> Timed<'_, F> {
-        Timed::new(&self.metrics.store_ops[op as usize], call)
+        Timed::new(&self.ops[op as usize], call)
     }
 }
 
@@ -534,9 +490,9 @@ pin_project_lite::pin_project! {
             let waited = this
                 .waiting_since
                 .map_or(Duration::ZERO, |since| since.elapsed());
-            this.op.duration.observe(waited);
+            this.op.duration.observe(waited.as_secs_f64());
             if !*this.done {
-                this.op.cancelled.fetch_add(1, Ordering::Relaxed);
+                this.op.abandoned.inc();
             }
         }
     }
@@ -565,7 +521,7 @@ where
             Poll::Ready(result) => {
                 *this.done = true;
                 if result.is_err() {
-                    this.op.errors.fetch_add(1, Ordering::Relaxed);
+                    this.op.errors.inc();
                 }
                 Poll::Ready(result)
             }
@@ -665,27 +621,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_buckets_are_cumulative() {
-        let h = Histogram::default();
-        h.observe(Duration::from_millis(3));
-        h.observe(Duration::from_millis(30));
-        h.observe(Duration::from_secs(100));
-        let mut out = String::new();
-        h.write(&mut out, "x", "");
-        assert!(out.contains("x_bucket{le=\"0.005\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.05\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"60\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_count 3\n"), "{out}");
-    }
-
-    #[test]
     fn requests_render_by_route_and_outcome() {
         let m = Metrics::new();
         let route: Arc<str> = Arc::from("pay\"ments");
         m.count_request(&route, Decision::Executed);
         m.count_request(&route, Decision::Executed);
         m.count_request(&route, Decision::Replayed);
+        m.observe_upstream(Duration::from_millis(3));
+        m.observe_upstream(Duration::from_secs(100));
         let text = m.render(
             "memory",
             LayerCounters {
@@ -694,41 +637,62 @@ mod tests {
             },
             &DataLossStatus::default(),
         );
-        assert!(
-            text.contains(
-                "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n"
-            ),
-            "{text}"
-        );
-        assert!(text.contains("idemgate_records_in_flight 4\n"), "{text}");
+        for line in [
+            "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n",
+            "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n",
+            "idemgate_records_in_flight 4\n",
+            "idemgate_store_data_lost{backend=\"memory\"} 0\n",
+            "idemgate_upstream_duration_seconds_bucket{le=\"0.005\"} 1\n",
+            "idemgate_upstream_duration_seconds_bucket{le=\"+Inf\"} 2\n",
+            "idemgate_upstream_duration_seconds_count 2\n",
+        ] {
+            assert!(text.contains(line), "{line} not in:\n{text}");
+        }
         assert_eq!(m.requests("pay\"ments", Decision::Executed), 2);
-        let configured = Metrics::with_routes(["pay\"ments"]);
-        configured.count_request("pay\"ments", Decision::Executed);
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let value = line.rsplit(' ').next().unwrap_or("");
+            assert!(value.parse::<f64>().is_ok(), "bad sample line {line:?}");
+        }
+    }
+
+    #[test]
+    fn configured_routes_have_every_series_from_the_start() {
+        let configured = Metrics::with_routes(["payments"]);
+        configured.count_request("payments", Decision::Executed);
         configured.count_request("other", Decision::Executed);
-        assert_eq!(configured.requests("pay\"ments", Decision::Executed), 1);
+        assert_eq!(configured.requests("payments", Decision::Executed), 1);
         assert_eq!(configured.requests("other", Decision::Executed), 1);
         let text = configured.render(
             "memory",
             LayerCounters::default(),
             &DataLossStatus::default(),
         );
-        let other = text
-            .find("idemgate_requests_total{route=\"other\",outcome=\"executed\"} 1\n")
-            .expect("a route not configured is counted");
-        let known = text
-            .find("idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 1\n")
-            .expect("a configured route is counted");
-        assert!(other < known, "routes are listed by name:\n{text}");
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let value = line.rsplit(' ').next().unwrap_or("");
-            assert!(value.parse::<f64>().is_ok(), "bad sample line {line:?}");
+        for line in [
+            "idemgate_requests_total{route=\"payments\",outcome=\"executed\"} 1\n",
+            "idemgate_requests_total{route=\"payments\",outcome=\"replayed\"} 0\n",
+            "idemgate_requests_total{route=\"other\",outcome=\"executed\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} not in:\n{text}");
         }
+        assert!(
+            !text.contains("route=\"other\",outcome=\"replayed\""),
+            "{text}"
+        );
+    }
+
+    /// A histogram's count and sum, as exposed.
+    fn count_and_sum(histogram: &Histogram) -> (String, String) {
+        let mut registry = Registry::default();
+        registry.register("d", "d", histogram.clone());
+        let mut text = String::new();
+        prometheus_text::encode(&mut text, &registry).unwrap();
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name))
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+                .to_owned()
+        };
+        (value("d_count "), value("d_sum "))
     }
 
     /// A store call that is pending `waits` times before it answers `result`.
@@ -750,17 +714,15 @@ mod tests {
 
     #[tokio::test]
     async fn store_calls_are_timed_counted_and_abandonment_noted() {
-        let op = StoreOpMetrics::default();
+        let op = StoreOpMetrics {
+            duration: latency_histogram(),
+            errors: Counter::default(),
+            abandoned: Counter::default(),
+        };
         let timed = |call| Timed::new(&op, call);
         // Answered at once: no time, and nothing abandoned.
         assert!(timed(call_after(0, Ok(()))).await.is_ok());
-        assert_eq!(
-            (
-                op.duration.count(),
-                op.duration.sum_micros.load(Ordering::Relaxed)
-            ),
-            (1, 0)
-        );
+        assert_eq!(count_and_sum(&op.duration), ("1".into(), "0.0".into()));
         // Waiting, then failing.
         let failed = timed(call_after(
             3,
@@ -770,15 +732,15 @@ mod tests {
             }),
         ));
         assert!(failed.await.is_err());
-        assert_eq!(op.duration.count(), 2);
-        assert_eq!(op.errors.load(Ordering::Relaxed), 1);
+        assert_eq!(count_and_sum(&op.duration).0, "2");
+        assert_eq!(op.errors.get(), 1);
         // Dropped while waiting.
         let mut abandoned = Box::pin(timed(call_after(5, Ok(()))));
         let noop = &mut Context::from_waker(std::task::Waker::noop());
         assert!(abandoned.as_mut().poll(noop).is_pending());
         drop(abandoned);
-        assert_eq!(op.duration.count(), 3);
-        assert_eq!(op.cancelled.load(Ordering::Relaxed), 1);
-        assert_eq!(op.errors.load(Ordering::Relaxed), 1);
+        assert_eq!(count_and_sum(&op.duration).0, "3");
+        assert_eq!(op.abandoned.get(), 1);
+        assert_eq!(op.errors.get(), 1);
     }
 }

@@ -450,7 +450,10 @@ async fn upstream_down_is_502_and_a_retry_runs_once_it_is_up() {
     ] {
         assert!(metrics.contains(needle), "{needle} not in:\n{metrics}");
     }
-    assert!(!metrics.contains("outcome=\"executed\""), "{metrics}");
+    assert!(
+        metrics.contains("idemgate_requests_total{route=\"default\",outcome=\"executed\"} 0\n"),
+        "{metrics}"
+    );
 
     let upstream = TestUpstream::start_on(addr).await;
     let up = send("POST", &gw.url("/pay"), &[key("k-down")], "x").await;
@@ -1644,6 +1647,30 @@ async fn a_body_with_a_transfer_coding_other_than_chunked_gets_a_501_problem() {
 
 // ---- operating it -------------------------------------------------------------------------
 
+/// Asserts that Prometheus' own checker (`promtool check metrics`, from Debian's `prometheus`
+/// package, which `.ci/install-deps` installs) parses `exposition` and finds nothing to lint.
+fn promtool_accepts(exposition: &str) {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is not installed: run .ci/install-deps");
+    let mut stdin = promtool.stdin.take().expect("piped stdin");
+    stdin.write_all(exposition.as_bytes()).unwrap();
+    drop(stdin);
+    let output = promtool.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stdout) + String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {:?}\n{said}\n{exposition}",
+        output.status
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn admin_health_readiness_metrics_and_token() {
     let s = setup().await;
@@ -1668,6 +1695,11 @@ async fn admin_health_readiness_metrics_and_token() {
     ] {
         assert!(text.contains(needle), "missing {needle:?} in\n{text}");
     }
+    assert_eq!(
+        m.headers["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    promtool_accepts(&text);
     // Record endpoints: a token is required and checked.
     let none = admin_get(&s.gw, "/keys?route=default&key=k-m", &[]).await;
     assert_eq!(none.status, 401);

@@ -34,7 +34,6 @@ mod service;
 mod settings;
 mod stats;
 pub mod store;
-mod ticker;
 
 pub use error_chain::ErrorChain;
 pub use future::ResponseFuture;

@@ -379,8 +379,7 @@ impl RoutePolicy {
         self
     }
 
-    /// The lease on an in-flight record (default 30 s), renewed at a third of it (leases of
-    /// 6 s or more up to 0.1 s sooner, on a ticker shared by the runtime's requests). At least
+    /// The lease on an in-flight record (default 30 s), renewed at a third of it. At least
     /// [`MIN_LEASE`]: a shorter one is raised to it, so renewals never run in a tight loop.
     /// Keep it above 1.5 times the layer's store timeout, so that a renewal that takes the
     /// whole timeout still lands before the lease ends (the proxy refuses a configuration

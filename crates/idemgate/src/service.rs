@@ -636,7 +636,7 @@ impl Keyed {
         let lease = self.route.policy.lease;
         let record = &self.record;
         loop {
-            crate::ticker::sleep(lease / 3).await;
+            tokio::time::sleep(lease / 3).await;
             let renewal = self.store_call(self.settings.store.renew(record, token, lease));
             match renewal.await {
                 Ok(Transition::Applied) => {}

@@ -477,3 +477,52 @@ async fn a_dropped_store_closes_its_connections() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A claim that changes nothing (a replay, an answer of in flight) takes no lock and no
+/// transaction id, so it waits for no WAL flush: the server's transaction ids do not advance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_that_change_nothing_write_nothing() {
+    let server = PostgresServer::start();
+    let store = connect(config(&server)).await;
+    let raw = raw(&server).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    let token = acquire(&store, "replayed", &long).await;
+    let applied = store
+        .complete(
+            &key("replayed"),
+            token,
+            response(b"once"),
+            Duration::from_secs(3600),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(applied, Transition::Applied);
+    acquire(&store, "running", &long).await;
+
+    let next_xid = || async {
+        let xid: i64 = raw
+            .query_one("SELECT txid_current()", &[])
+            .await
+            .expect("txid_current")
+            .get(0);
+        xid
+    };
+    let before = next_xid().await;
+    for _ in 0..50 {
+        assert!(matches!(
+            claim(&store, "replayed", &long).await,
+            Ok(Claim::Completed(_))
+        ));
+        assert!(matches!(
+            claim(&store, "running", &long).await,
+            Ok(Claim::InFlight { .. })
+        ));
+    }
+    let after = next_xid().await;
+    // One id for the second txid_current(), and a few for autovacuum's analyze, if it ran.
+    assert!(
+        after - before <= 5,
+        "100 claims that changed nothing used {} transaction ids",
+        after - before - 1
+    );
+}

@@ -71,9 +71,10 @@ const _: () = assert!(
 ///
 /// Every transition is one statement, so one round trip and one atomic step in PostgreSQL,
 /// prepared once per connection. A claim is a single `INSERT … ON CONFLICT … DO UPDATE …
-/// WHERE` the record expired or its lease lapsed, `… RETURNING`, whose second half reports
-/// what holds the key when nothing changed; it translates the decision every store shares
-/// (see `src/store/decision.rs`). Complete, release, renew and mark-ambiguous are each an
+/// WHERE` the record expired or its lease lapsed, `… RETURNING`, with a read of the record in
+/// the same statement that answers when nothing is to change (a replay, a request in flight,
+/// a mismatch) without writing or locking anything, so such answers wait for no WAL flush; it
+/// translates the decision every store shares (see `src/store/decision.rs`). Complete, release, renew and mark-ambiguous are each an
 /// `UPDATE` (or `DELETE`) `… WHERE owner = $token AND state = 'in_flight'` on a live record.
 /// The gateway never reads a record and then writes it. Every time — leases, expiry, the
 /// times [`get`](Store::get) reports — is the database's `now()`, never a gateway's clock, so
@@ -142,7 +143,12 @@ impl std::fmt::Debug for PostgresStore {
 }
 
 impl PostgresStore {
-    /// The version of the records table's layout this build reads and writes.
+    /// The version of the records table's layout this build reads and writes, kept in
+    /// `idemgate_schema`; [`connect`](Self::connect) refuses a newer one.
+    ///
+    /// ```
+    /// assert_eq!(idemgate::store::PostgresStore::SCHEMA_VERSION, 1);
+    /// ```
     pub const SCHEMA_VERSION: i32 = schema::SCHEMA_VERSION;
 
     /// Connects to PostgreSQL, creates the tables if they are missing (or checks their

@@ -2,11 +2,12 @@
 //! its answer.
 //!
 //! The statement is a translation of [`decide`], the reference every store follows: its
-//! `ON CONFLICT … DO UPDATE … WHERE` is the table's two rows that change a record (an expired
-//! record, or a lapsed lease, is replaced under `Retry`; a lapsed lease turns ambiguous under
-//! `Ambiguous`), and the answers that change nothing are [`decide`] itself, applied here to the
-//! row the statement read. Any change to `decide` must be made to [`CLAIM`] too; the
-//! conformance suite holds the two together.
+//! `ON CONFLICT … DO UPDATE … WHERE` (and the `WHERE NOT EXISTS` that spares it) are the
+//! table's rows that change a record (nothing or an expired record is acquired; a lapsed
+//! lease is replaced under `Retry` and turns ambiguous under `Ambiguous`), and the answers
+//! that change nothing are [`decide`] itself, applied here to the row the statement read.
+//! Any change to `decide` must be made to [`CLAIM`] too; the conformance suite holds the two
+//! together.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -29,21 +30,33 @@ impl Moment for SystemTime {
 /// Parameters: `$1` key, `$2` fingerprint, `$3` the claim's owner token, `$4` lease and `$5`
 /// ttl (microseconds), `$6` whether a lapsed lease is retried (`on_lapse = Retry`).
 ///
-/// `written` holds the row the statement inserted or changed: a fresh claim (an insert, or
-/// an expired or lapsed record replaced, under the claim's token) or a lapsed lease turned
-/// ambiguous. When it changed nothing, the second half reads the record as it stands for the
-/// answers that change nothing. That read sees the statement's snapshot, which can predate
-/// the row version the `WHERE` judged (a racing claim committed in between): the reader
-/// notices (no row, or a row `decide` would have changed) and runs the statement again.
+/// `found` reads the record in the statement's snapshot. When it is live and `decide` would
+/// not change it (in flight under a live lease, completed, ambiguous), the statement writes
+/// nothing and takes no lock, so a replay is a read-only transaction that waits for no WAL
+/// flush, and the answer is `decide`'s on that row. Otherwise `written` inserts a fresh claim
+/// under the claim's token, or, finding a row after all, replaces it if it expired or its
+/// lease lapsed under `Retry`, or turns its lapsed lease ambiguous under `Ambiguous`, judged
+/// on the row's latest version under its lock. When that judgement changes nothing, the
+/// latest version is newer than the snapshot (a racing claim or transition committed in
+/// between): `found` is then missing or shows a row `decide` would change, and the reader
+/// runs the statement again, whose new snapshot has the newer row.
 ///
 /// Each answer row: written, state, same fingerprint, owned by this claim, lease deadline,
 /// expiry, kept response (only for a completed record of the same fingerprint), `now()`.
 pub(super) const CLAIM: &str = "
-WITH written AS (
+WITH found AS (
+    SELECT state, fingerprint, lease_deadline, expires_at, body
+    FROM idemgate_records WHERE key = $1::bytea
+), written AS (
     INSERT INTO idemgate_records AS r
         (key, state, fingerprint, owner, lease_deadline, stored_at, expires_at)
-    VALUES ($1, 'in_flight', $2, $3, now() + $4::float8 * interval '1 microsecond', now(),
-            now() + $5::float8 * interval '1 microsecond')
+    SELECT $1::bytea, 'in_flight', $2::bytea, $3::bytea,
+           now() + $4::float8 * interval '1 microsecond', now(),
+           now() + $5::float8 * interval '1 microsecond'
+    WHERE NOT EXISTS (
+        SELECT FROM found
+        WHERE expires_at > now() AND NOT (state = 'in_flight' AND lease_deadline <= now())
+    )
     ON CONFLICT (key) DO UPDATE SET
         state = CASE WHEN r.expires_at <= now() OR $6::boolean
             THEN 'in_flight' ELSE 'ambiguous' END,
@@ -58,15 +71,15 @@ WITH written AS (
     WHERE r.expires_at <= now() OR (r.state = 'in_flight' AND r.lease_deadline <= now())
     RETURNING r.state, r.fingerprint, r.owner
 )
-SELECT true, state, fingerprint = $2, owner = $3,
+SELECT true, state, fingerprint = $2::bytea, owner = $3::bytea,
        NULL::timestamptz, NULL::timestamptz, NULL::bytea, now()
 FROM written
 UNION ALL
-SELECT false, state, fingerprint = $2, false,
+SELECT false, state, fingerprint = $2::bytea, false,
        lease_deadline, expires_at,
-       CASE WHEN state = 'completed' AND fingerprint = $2 THEN body END, now()
-FROM idemgate_records
-WHERE key = $1 AND NOT EXISTS (SELECT FROM written)
+       CASE WHEN state = 'completed' AND fingerprint = $2::bytea THEN body END, now()
+FROM found
+WHERE NOT EXISTS (SELECT FROM written)
 ";
 
 /// How many times a claim runs [`CLAIM`] when its read keeps predating the row it judged.

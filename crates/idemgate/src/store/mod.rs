@@ -18,11 +18,15 @@ mod decision;
 mod handout;
 mod key_hash;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redb")]
 mod redb;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresStore, PostgresStoreConfig};
 #[cfg(feature = "redb")]
 pub use self::redb::RedbStore;
 #[cfg(feature = "redis")]

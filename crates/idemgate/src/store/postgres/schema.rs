@@ -1,0 +1,100 @@
+//! The store's tables, created at start and versioned: `idemgate_schema` holds the version of
+//! the layout of `idemgate_records`, and a layout newer than this build is refused.
+
+use deadpool_postgres::Object;
+
+use super::config::server_error;
+use crate::store::StoreError;
+
+/// The layout of the records table this build reads and writes. Raised with every change to
+/// it, with a migration from each older version in [`setup`].
+pub(super) const SCHEMA_VERSION: i32 = 1;
+
+/// The advisory lock held (for one transaction) while a gateway sets the tables up, so that
+/// gateways starting together do not race to create them. "idemgate" in ASCII.
+const SETUP_LOCK: i64 = 0x6964_656d_6761_7465;
+
+const CREATE_META: &str = "CREATE TABLE IF NOT EXISTS idemgate_schema (
+    id boolean PRIMARY KEY DEFAULT true CHECK (id),
+    version integer NOT NULL
+)";
+
+/// Version 1. One row per record; times are the database's (`now()` when written). A record is
+/// live while `now() < expires_at`; expired rows are never returned and are deleted in
+/// batches through the index on `expires_at`. Autovacuum is asked to visit the table after 1%
+/// of its rows changed rather than PostgreSQL's default 20%: every row is inserted, updated
+/// and deleted within its ttl, so the table churns far more than it grows.
+const CREATE_V1: &str = "
+CREATE TABLE idemgate_records (
+    key bytea PRIMARY KEY,
+    state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'ambiguous')),
+    fingerprint bytea NOT NULL,
+    owner bytea,
+    lease_deadline timestamptz,
+    stored_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL,
+    body bytea,
+    CHECK ((state = 'in_flight') = (owner IS NOT NULL AND lease_deadline IS NOT NULL)),
+    CHECK ((state = 'completed') = (body IS NOT NULL))
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_analyze_scale_factor = 0.02);
+CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at);
+COMMENT ON TABLE idemgate_records IS
+    'idemgate idempotency records (schema version in idemgate_schema); written only by idemgate';
+INSERT INTO idemgate_schema (version) VALUES (1);
+";
+
+/// The records table is newer than this build: refused, so an older gateway never misreads
+/// or corrupts records a newer one wrote.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the idemgate_records table has schema version {found}, newer than version {supported} \
+     that this idemgate reads and writes; upgrade idemgate (or point it at another database)"
+)]
+pub(super) struct NewerSchema {
+    found: i32,
+    supported: i32,
+}
+
+/// Creates the tables if they are missing, or checks their version, in one transaction under
+/// [`SETUP_LOCK`].
+pub(super) async fn setup(
+    client: &mut Object,
+    server: &str,
+    pg_error: impl Fn(tokio_postgres::Error) -> StoreError,
+) -> Result<(), StoreError> {
+    let tx = client.transaction().await.map_err(&pg_error)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SETUP_LOCK])
+        .await
+        .map_err(&pg_error)?;
+    tx.batch_execute(CREATE_META).await.map_err(&pg_error)?;
+    let found: Option<i32> = tx
+        .query_opt("SELECT version FROM idemgate_schema", &[])
+        .await
+        .map_err(&pg_error)?
+        .map(|row| row.get(0));
+    match found {
+        None => {
+            tx.batch_execute(CREATE_V1).await.map_err(&pg_error)?;
+            tracing::info!(postgres = %server, version = SCHEMA_VERSION, "created the idemgate_records table");
+        }
+        Some(SCHEMA_VERSION) => {}
+        Some(found) if found > SCHEMA_VERSION => {
+            return Err(server_error(
+                server,
+                "refusing the records table",
+                Some(Box::new(NewerSchema {
+                    found,
+                    supported: SCHEMA_VERSION,
+                })),
+            ));
+        }
+        Some(found) => {
+            return Err(server_error(
+                server,
+                format!("idemgate_schema holds version {found}, which no idemgate wrote"),
+                None,
+            ));
+        }
+    }
+    tx.commit().await.map_err(&pg_error)
+}

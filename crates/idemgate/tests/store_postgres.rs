@@ -1,0 +1,526 @@
+//! `PostgresStore` against a real PostgreSQL server (run `.ci/install-deps` if it is missing):
+//! the whole conformance suite, and what is PostgreSQL's own — the schema version, a stopped
+//! and restarted server, the deletion of expired rows, the database's clock.
+
+#![cfg(feature = "postgres")]
+
+
+use std::cell::RefCell;
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use idemgate::record::{
+    Completion, FingerprintHash, OwnerToken, Record, RecordKey, StoredResponse,
+};
+use idemgate::store::{
+    Claim, ClaimOptions, PostgresStore, PostgresStoreConfig, Store, StoreError, Transition,
+    UnknownOutcome,
+};
+use test_servers::PostgresServer;
+
+thread_local! {
+    /// The servers of the test running on this thread. Each test runs on a thread of its own
+    /// and its store is made on that thread (`#[tokio::test]` polls the test's future there),
+    /// so the server lives exactly as long as the test and is stopped when its thread ends,
+    /// after the test's runtime (and with it the store) is gone.
+    static SERVERS: RefCell<Vec<PostgresServer>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The whole contract, each check on its own server.
+mod conformance {
+    idemgate::store_conformance_tests!(super::store_on_own_server());
+}
+
+/// A store on a fresh server that lives as long as the calling test.
+async fn store_on_own_server() -> PostgresStore {
+    let server = PostgresServer::start();
+    let store = connect(config(&server)).await;
+    SERVERS.with(|servers| servers.borrow_mut().push(server));
+    store
+}
+
+/// Short enough that fault tests finish quickly, long enough for a loaded 2-core machine.
+const FAULT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The lock the background deletion of expired rows holds while it deletes (see
+/// `src/store/postgres/sweep.rs`).
+const SWEEP_LOCK: i64 = 0x6964_656d_6761_7466;
+
+fn config(server: &PostgresServer) -> PostgresStoreConfig {
+    let mut config = PostgresStoreConfig::new(server.url());
+    config.password = None;
+    // Slow enough for a loaded CI machine running several servers.
+    config.timeout = Duration::from_secs(5);
+    config
+}
+
+async fn connect(config: PostgresStoreConfig) -> PostgresStore {
+    PostgresStore::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("connect to the test postgres: {}", chain(&e)))
+}
+
+/// A plain connection to inspect and change what the store wrote.
+async fn raw(server: &PostgresServer) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+        .await
+        .expect("raw connection to the test postgres");
+    tokio::spawn(connection);
+    client
+}
+
+async fn row_count(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM idemgate_records", &[])
+        .await
+        .expect("count the records")
+        .get(0)
+}
+
+/// An error and its causes on one line.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
+fn options(lease: Duration, ttl: Duration) -> ClaimOptions {
+    ClaimOptions {
+        lease,
+        ttl,
+        on_lapse: UnknownOutcome::Ambiguous,
+    }
+}
+
+fn key(name: &str) -> RecordKey {
+    RecordKey::of(name.as_bytes())
+}
+
+fn fingerprint(name: &str) -> FingerprintHash {
+    FingerprintHash::of(format!("fingerprint {name}").as_bytes())
+}
+
+fn response(body: &'static [u8]) -> Completion {
+    Completion::Response(StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(body),
+    })
+}
+
+async fn claim(
+    store: &PostgresStore,
+    name: &str,
+    options: &ClaimOptions,
+) -> Result<Claim, StoreError> {
+    store
+        .claim(
+            &key(name),
+            &fingerprint(name),
+            OwnerToken::generate(),
+            options,
+        )
+        .await
+}
+
+async fn acquire(store: &PostgresStore, name: &str, options: &ClaimOptions) -> OwnerToken {
+    match claim(store, name, options).await {
+        Ok(Claim::Acquired(token)) => token,
+        other => panic!("expected Acquired for {name}, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_newer_than_the_build_is_refused_naming_both_versions() {
+    let server = PostgresServer::start();
+    let first = connect(config(&server)).await;
+    drop(first);
+    // Setting up again on the same database finds the table and keeps it.
+    let again = connect(config(&server)).await;
+    acquire(
+        &again,
+        "kept",
+        &options(Duration::from_secs(30), Duration::from_secs(60)),
+    )
+    .await;
+    drop(again);
+
+    let newer = PostgresStore::SCHEMA_VERSION + 1;
+    raw(&server)
+        .await
+        .execute("UPDATE idemgate_schema SET version = $1", &[&newer])
+        .await
+        .expect("raise the schema version");
+    let refused = PostgresStore::connect(config(&server))
+        .await
+        .expect_err("a newer schema must be refused");
+    let message = chain(&refused);
+    assert!(
+        matches!(
+            refused,
+            StoreError::Unavailable {
+                backend: "postgres",
+                ..
+            }
+        ),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("schema version {newer}"))
+            && message.contains(&format!(
+                "version {} that this idemgate",
+                PostgresStore::SCHEMA_VERSION
+            )),
+        "the message must name both versions: {message}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_unavailable_quickly_and_served_again_once_back() {
+    let mut server = PostgresServer::start();
+    let mut config = config(&server);
+    config.timeout = FAULT_TIMEOUT;
+    let store = connect(config).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    let token = acquire(&store, "kept", &long).await;
+    assert_eq!(
+        store
+            .complete(
+                &key("kept"),
+                token,
+                response(b"kept"),
+                Duration::from_secs(3600)
+            )
+            .await
+            .expect("complete"),
+        Transition::Applied
+    );
+
+    server.stop();
+    for call in 0..3 {
+        let started = Instant::now();
+        let result = claim(&store, "while-down", &long).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(
+                result,
+                Err(StoreError::Unavailable {
+                    backend: "postgres",
+                    ..
+                } | StoreError::Timeout {
+                    backend: "postgres",
+                    ..
+                })
+            ),
+            "call {call} while postgres is stopped: {result:?}"
+        );
+        assert!(
+            took < FAULT_TIMEOUT * 3,
+            "call {call} took {took:?} to fail, more than the store timeout allows"
+        );
+    }
+    assert!(
+        store.ping().await.is_err(),
+        "ping while postgres is stopped"
+    );
+
+    server.restart();
+    // The same store, without re-creating it: the pool replaces its dead connections.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match claim(&store, "kept", &long).await {
+            Ok(Claim::Completed(c)) => {
+                assert_eq!(*c, response(b"kept"), "the replay after the restart");
+                break;
+            }
+            other if Instant::now() < deadline => {
+                let _ = other;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("postgres is back, yet the store answers {other:?}"),
+        }
+    }
+    acquire(&store, "after-restart", &long).await;
+    store.ping().await.expect("ping once postgres is back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_are_never_returned_and_deleted_in_bounded_batches() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.sweep_batch = 10;
+    // No background run during the test: the test calls each batch itself.
+    config.sweep_interval = Duration::from_secs(3600);
+    let store = connect(config).await;
+    let raw = raw(&server).await;
+
+    let short = options(Duration::from_millis(100), Duration::from_millis(200));
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    for i in 0..35 {
+        acquire(&store, &format!("short-{i}"), &short).await;
+    }
+    for i in 0..5 {
+        acquire(&store, &format!("long-{i}"), &long).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        row_count(&raw).await,
+        40,
+        "nothing is deleted before a sweep"
+    );
+
+    // Expired rows are never returned, though still in the table.
+    assert_eq!(store.get(&key("short-0")).await.expect("get"), None);
+    assert!(
+        !store.delete(&key("short-1")).await.expect("delete"),
+        "an expired row is no record"
+    );
+    assert_eq!(row_count(&raw).await, 39);
+    // A claim takes an expired row over.
+    acquire(&store, "short-2", &long).await;
+
+    // Held by another gateway: this one leaves the table alone.
+    let mut other = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+        .await
+        .expect("a second connection");
+    tokio::spawn(other.1);
+    let other_tx = other.0.transaction().await.expect("begin");
+    let held: bool = other_tx
+        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&SWEEP_LOCK])
+        .await
+        .expect("take the sweep lock")
+        .get(0);
+    assert!(held);
+    assert_eq!(store.delete_expired().await.expect("delete_expired"), None);
+    assert_eq!(
+        row_count(&raw).await,
+        39,
+        "deleted while another gateway sweeps"
+    );
+    other_tx.rollback().await.expect("rollback");
+
+    // 33 expired rows left, in batches of at most 10.
+    let mut batches = Vec::new();
+    for _ in 0..10 {
+        let deleted = store
+            .delete_expired()
+            .await
+            .expect("delete_expired")
+            .expect("the sweep lock is free");
+        batches.push(deleted);
+        if deleted == 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        batches,
+        [10, 10, 10, 3, 0],
+        "batches of expired rows deleted"
+    );
+    assert_eq!(row_count(&raw).await, 6, "the live records are left");
+    for i in 0..5 {
+        assert!(matches!(
+            store.get(&key(&format!("long-{i}"))).await.expect("get"),
+            Some(Record::InFlight { .. })
+        ));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_task_deletes_expired_rows() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.sweep_interval = Duration::from_millis(100);
+    config.sweep_batch = 7;
+    let store = connect(config).await;
+    let raw = raw(&server).await;
+    let short = options(Duration::from_millis(50), Duration::from_millis(100));
+    for i in 0..40 {
+        acquire(&store, &format!("short-{i}"), &short).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while row_count(&raw).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} expired rows still in the table",
+            row_count(&raw).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// libfaketime, from Debian's `faketime` package (`.ci/install-deps` installs it).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_are_on_the_database_clock() {
+    assert!(
+        std::path::Path::new(LIBFAKETIME).exists(),
+        "{LIBFAKETIME} is missing: install Debian's faketime package (.ci/install-deps)"
+    );
+    // The server's clock runs a day ahead of this process's. No shared memory: as root,
+    // `setpriv` (preloaded too) would create it as root before it becomes `nobody`.
+    let server = PostgresServer::start_with_env(&[
+        ("LD_PRELOAD", LIBFAKETIME),
+        ("FAKETIME", "+1d"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ("FAKETIME_DISABLE_SHM", "1"),
+    ]);
+    let store = connect(config(&server)).await;
+    let server_now: SystemTime = raw(&server)
+        .await
+        .query_one("SELECT now()", &[])
+        .await
+        .expect("the server's now()")
+        .get(0);
+    let ahead = server_now
+        .duration_since(SystemTime::now())
+        .expect("the server's clock is ahead");
+    assert!(
+        ahead > Duration::from_secs(23 * 3600),
+        "libfaketime did not move the server's clock ({ahead:?} ahead)"
+    );
+
+    let lease = Duration::from_secs(30);
+    let ttl = Duration::from_secs(60);
+    acquire(&store, "clocked", &options(lease, ttl)).await;
+    let Some(Record::InFlight { lease_deadline, .. }) =
+        store.get(&key("clocked")).await.expect("get")
+    else {
+        panic!("the claimed record is not in flight");
+    };
+    let from_server = lease_deadline
+        .duration_since(server_now)
+        .expect("the lease ends after the server's now()");
+    assert!(
+        from_server <= lease + Duration::from_secs(5),
+        "the lease deadline is {from_server:?} after the server's now(), for a {lease:?} lease"
+    );
+    // A second claim measures the time left on the server's clock too: a lease measured on
+    // this process's clock would have a day and more left.
+    match claim(&store, "clocked", &options(lease, ttl)).await {
+        Ok(Claim::InFlight { lease_remaining }) => assert!(
+            lease_remaining <= lease && lease_remaining > lease - Duration::from_secs(5),
+            "{lease_remaining:?} left of a {lease:?} lease"
+        ),
+        other => panic!("a second claim of a live lease: {other:?}"),
+    }
+}
+
+/// Two gateways (two stores, two pools) racing for the same keys: one winner per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_stores_on_one_database_have_one_winner_per_key() {
+    let server = PostgresServer::start();
+    let stores = [
+        connect(config(&server)).await,
+        connect(config(&server)).await,
+    ];
+    let long = options(Duration::from_secs(30), Duration::from_secs(60));
+    for round in 0..20 {
+        let name = format!("shared-{round}");
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let store = stores[i % 2].clone();
+                let name = name.clone();
+                tokio::spawn(async move { claim(&store, &name, &long).await })
+            })
+            .collect();
+        let mut winners = 0;
+        for task in tasks {
+            match task.await.expect("claim task") {
+                Ok(Claim::Acquired(_)) => winners += 1,
+                Ok(Claim::InFlight { .. }) => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(winners, 1, "round {round}: {winners} claims acquired");
+    }
+}
+
+/// The store is shared by reference counting: dropping it (and its clones) ends the
+/// background task and closes the pool's connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_store_closes_its_connections() {
+    let server = PostgresServer::start();
+    let raw = raw(&server).await;
+    let sessions = || async {
+        let count: i64 = raw
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
+                &[],
+            )
+            .await
+            .expect("count sessions")
+            .get(0);
+        count
+    };
+    let store = connect(config(&server)).await;
+    let clone = store.clone();
+    store.ping().await.expect("ping");
+    assert!(sessions().await >= 1);
+    drop(store);
+    drop(clone);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sessions().await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the store's sessions outlived it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A claim that changes nothing (a replay, an answer of in flight) takes no lock and no
+/// transaction id, so it waits for no WAL flush: the server's transaction ids do not advance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_that_change_nothing_write_nothing() {
+    let server = PostgresServer::start();
+    let store = connect(config(&server)).await;
+    let raw = raw(&server).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    let token = acquire(&store, "replayed", &long).await;
+    let applied = store
+        .complete(
+            &key("replayed"),
+            token,
+            response(b"once"),
+            Duration::from_secs(3600),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(applied, Transition::Applied);
+    acquire(&store, "running", &long).await;
+
+    let next_xid = || async {
+        let xid: i64 = raw
+            .query_one("SELECT txid_current()", &[])
+            .await
+            .expect("txid_current")
+            .get(0);
+        xid
+    };
+    let before = next_xid().await;
+    for _ in 0..50 {
+        assert!(matches!(
+            claim(&store, "replayed", &long).await,
+            Ok(Claim::Completed(_))
+        ));
+        assert!(matches!(
+            claim(&store, "running", &long).await,
+            Ok(Claim::InFlight { .. })
+        ));
+    }
+    let after = next_xid().await;
+    // One id for the second txid_current(), and a few for autovacuum's analyze, if it ran.
+    assert!(
+        after - before <= 5,
+        "100 claims that changed nothing used {} transaction ids",
+        after - before - 1
+    );
+}

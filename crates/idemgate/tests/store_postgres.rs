@@ -4,7 +4,6 @@
 
 #![cfg(feature = "postgres")]
 
-
 use std::cell::RefCell;
 use std::time::{Duration, Instant, SystemTime};
 

@@ -11,11 +11,16 @@
 //!   (in this process or the next) returns it as if it were there. Every open of the file
 //!   (at start, after a failure, for a read view) first drops both files' cached pages
 //!   ([`Disk::forget_cached`]), so what it reads is what the disk holds.
+//!
+//! The file system calls are Linux's where the promise depends on them (dropping cached pages);
+//! elsewhere the store builds and runs with what the platform offers: positioned writes
+//! through the file's cursor where there are none, no directory sync where a directory cannot
+//! be opened (Windows, whose file system journals its entries), and no cache drop where there
+//! is no `posix_fadvise`.
 
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use redb::{Database, DatabaseError};
@@ -58,12 +63,23 @@ pub(super) trait JournalFile: Send {
 impl JournalFile for File {
     fn read_all(&mut self) -> io::Result<Vec<u8>> {
         let mut data = Vec::new();
+        io::Seek::rewind(self)?;
         self.read_to_end(&mut data)?;
         Ok(data)
     }
 
+    #[cfg(unix)]
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
-        FileExt::write_all_at(self, data, offset)
+        std::os::unix::fs::FileExt::write_all_at(self, data, offset)
+    }
+
+    /// Without `pwrite`: through the file's cursor (the journal has one writer).
+    #[cfg(not(unix))]
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut file = self;
+        file.seek(SeekFrom::Start(offset))?;
+        file.write_all(data)
     }
 
     fn sync_data(&self) -> io::Result<()> {
@@ -106,10 +122,18 @@ impl Disk for RealDisk {
         Ok(missing)
     }
 
+    #[cfg(not(windows))]
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         File::open(dir)?.sync_all()
     }
 
+    /// A directory cannot be opened as a file on Windows; NTFS journals its entries itself.
+    #[cfg(windows)]
+    fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+        Ok(())
+    }
+
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     fn forget_cached(&self, path: &Path) -> io::Result<()> {
         let file = match File::open(path) {
             Ok(file) => file,
@@ -119,6 +143,12 @@ impl Disk for RealDisk {
         // After a failed sync no page of the file is dirty (the kernel marked them clean), and
         // the store's file backend does not map the file, so every cached page is dropped.
         rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed)?;
+        Ok(())
+    }
+
+    /// No `posix_fadvise` to drop cached pages with: the file is read as the cache holds it.
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    fn forget_cached(&self, _path: &Path) -> io::Result<()> {
         Ok(())
     }
 }

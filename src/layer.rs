@@ -46,6 +46,7 @@ pub struct LayerStats {
     fenced_completions: AtomicU64,
     store_errors: AtomicU64,
     unprotected_passes: AtomicU64,
+    signature_rejections: AtomicU64,
     in_flight: AtomicU64,
 }
 
@@ -66,6 +67,12 @@ impl LayerStats {
         self.unprotected_passes.load(Ordering::Relaxed)
     }
 
+    /// Requests refused `401 invalid-signature` by a route's
+    /// [`verifier`](crate::RoutePolicy::verify_with): nothing was claimed or forwarded.
+    pub fn signature_rejections(&self) -> u64 {
+        self.signature_rejections.load(Ordering::Relaxed)
+    }
+
     /// Keyed requests this layer is running upstream now.
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
@@ -81,6 +88,10 @@ impl LayerStats {
 
     pub(crate) fn count_unprotected(&self) {
         self.unprotected_passes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_signature_rejected(&self) {
+        self.signature_rejections.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn enter(self: &Arc<Self>) -> InFlightGuard {
@@ -102,13 +113,16 @@ impl Drop for InFlightGuard {
 #[derive(Debug)]
 pub(crate) struct Route {
     pub(crate) name: Arc<str>,
+    /// The prefix the route is matched at; empty for the default route.
+    pub(crate) prefix: Arc<str>,
     pub(crate) policy: RoutePolicy,
 }
 
 impl Route {
-    fn new(policy: RoutePolicy) -> Arc<Self> {
+    fn new(prefix: &str, policy: RoutePolicy) -> Arc<Self> {
         Arc::new(Self {
             name: Arc::from(policy.route_name()),
+            prefix: Arc::from(prefix),
             policy,
         })
     }
@@ -153,7 +167,7 @@ impl IdempotencyLayer {
             shared: Arc::new(Shared {
                 store,
                 routes: Vec::new(),
-                default_route: Route::new(RoutePolicy::api()),
+                default_route: Route::new("", RoutePolicy::api()),
                 store_timeout: DEFAULT_STORE_TIMEOUT,
                 upstream_timeout: Some(DEFAULT_UPSTREAM_TIMEOUT),
                 on_store_error: OnStoreError::Reject,
@@ -170,7 +184,7 @@ impl IdempotencyLayer {
     /// The policy for paths no route matches (default: `api`, named `default`).
     #[must_use]
     pub fn default_route(mut self, policy: RoutePolicy) -> Self {
-        self.shared_mut().default_route = Route::new(policy);
+        self.shared_mut().default_route = Route::new("", policy);
         self
     }
 
@@ -182,7 +196,8 @@ impl IdempotencyLayer {
         let shared = self.shared_mut();
         let prefix = prefix.into();
         shared.routes.retain(|(p, _)| *p != prefix);
-        shared.routes.push((prefix, Route::new(policy)));
+        let route = Route::new(&prefix, policy);
+        shared.routes.push((prefix, route));
         shared
             .routes
             .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));

@@ -35,6 +35,7 @@ pub mod response;
 mod service;
 pub mod store;
 mod ticker;
+pub mod webhook;
 
 pub(crate) use error_chain::ErrorChain;
 pub use future::ResponseFuture;

@@ -48,7 +48,7 @@ impl IdempotencyLayer {
             settings: Arc::new(LayerSettings {
                 store,
                 routes: Vec::new(),
-                default_route: Route::new(RoutePolicy::api()),
+                default_route: Route::new("", RoutePolicy::api()),
                 store_timeout: DEFAULT_STORE_TIMEOUT,
                 upstream_timeout: Some(DEFAULT_UPSTREAM_TIMEOUT),
                 on_store_error: OnStoreError::Reject,
@@ -65,7 +65,7 @@ impl IdempotencyLayer {
     /// The policy for paths no route matches (default: `api`, named `default`).
     #[must_use]
     pub fn default_route(mut self, policy: RoutePolicy) -> Self {
-        self.settings_mut().default_route = Route::new(policy);
+        self.settings_mut().default_route = Route::new("", policy);
         self
     }
 
@@ -77,7 +77,8 @@ impl IdempotencyLayer {
         let settings = self.settings_mut();
         let prefix = prefix.into();
         settings.routes.retain(|(p, _)| *p != prefix);
-        settings.routes.push((prefix, Route::new(policy)));
+        let route = Route::new(&prefix, policy);
+        settings.routes.push((prefix, route));
         settings
             .routes
             .sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));

@@ -34,6 +34,7 @@ mod service;
 mod settings;
 mod stats;
 pub mod store;
+pub mod webhook;
 
 pub use error_chain::ErrorChain;
 pub use future::ResponseFuture;

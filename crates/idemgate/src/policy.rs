@@ -9,6 +9,8 @@ use http::{HeaderName, Method, StatusCode, header};
 
 pub use crate::store::UnknownOutcome;
 
+use crate::webhook::{RouteVerifier, Verifier};
+
 /// Default lease on an in-flight record; renewed while the upstream call runs.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The shortest lease a route takes (see [`RoutePolicy::lease`]).
@@ -253,6 +255,7 @@ pub struct RoutePolicy {
     pub(crate) max_response_bytes: usize,
     pub(crate) mismatch_status: StatusCode,
     pub(crate) store_set_cookie: bool,
+    pub(crate) verifier: Option<RouteVerifier>,
 }
 
 impl Default for RoutePolicy {
@@ -281,6 +284,7 @@ impl RoutePolicy {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
             store_set_cookie: false,
+            verifier: None,
         }
     }
 
@@ -423,6 +427,30 @@ impl RoutePolicy {
     #[must_use]
     pub fn store_set_cookie(mut self, keep: bool) -> Self {
         self.store_set_cookie = keep;
+        self
+    }
+
+    /// Check every request of the route's methods with `verifier` before anything else: the
+    /// body is read (up to `max_request_bytes`) and checked before the key is looked at or
+    /// the store is called, and a request that fails is answered `401 invalid-signature`,
+    /// claiming and forwarding nothing. The [`webhook`](crate::webhook) module has the
+    /// providers' schemes, and a closure is a verifier too:
+    ///
+    /// ```
+    /// use idemgate::RoutePolicy;
+    /// use idemgate::webhook::{SignatureError, SignedRequest};
+    ///
+    /// let policy = RoutePolicy::webhook().name("hooks").verify_with(
+    ///     |request: &SignedRequest<'_>| {
+    ///         request.header_str(&http::HeaderName::from_static("x-signature"))?;
+    ///         Err(SignatureError::Mismatch)
+    ///     },
+    /// );
+    /// # let _ = policy;
+    /// ```
+    #[must_use]
+    pub fn verify_with(mut self, verifier: impl Verifier) -> Self {
+        self.verifier = Some(RouteVerifier::new(verifier));
         self
     }
 

@@ -10,6 +10,7 @@
 //! | --- | --- | --- |
 //! | `invalid-key` | 400 | the key is empty, longer than 255, not visible ASCII, a malformed sf-string, or sent twice |
 //! | `missing-key` | 400 | the route requires a key and the request has none |
+//! | `invalid-signature` | 401 + `WWW-Authenticate: Webhook-Signature` | the route verifies its sender's signature (a webhook provider's) and it is missing, does not match, or signs a timestamp outside the tolerance; nothing was claimed or forwarded |
 //! | `request-body-error` | 400 | the request body could not be read |
 //! | `request-too-large` | 413 | the body of a keyed request is over `max_request_bytes` |
 //! | `headers-too-large` | 431 | (proxy) more header fields than `max_headers`, or a header block over `max_header_bytes` |
@@ -61,6 +62,8 @@ pub enum ProblemKind {
     InvalidKey,
     /// `400 missing-key`.
     MissingKey,
+    /// `401 invalid-signature`.
+    InvalidSignature,
     /// `400 request-body-error`.
     RequestBodyError,
     /// `413 request-too-large`.
@@ -109,6 +112,7 @@ impl ProblemKind {
         match self {
             ProblemKind::InvalidKey => "invalid-key",
             ProblemKind::MissingKey => "missing-key",
+            ProblemKind::InvalidSignature => "invalid-signature",
             ProblemKind::RequestBodyError => "request-body-error",
             ProblemKind::RequestTooLarge => "request-too-large",
             ProblemKind::HeadersTooLarge => "headers-too-large",
@@ -137,6 +141,7 @@ impl ProblemKind {
         match self {
             ProblemKind::InvalidKey => "Invalid idempotency key",
             ProblemKind::MissingKey => "Idempotency key required",
+            ProblemKind::InvalidSignature => "Webhook signature missing, wrong or expired",
             ProblemKind::RequestBodyError => "Request body could not be read",
             ProblemKind::RequestTooLarge => "Request body too large for an idempotent request",
             ProblemKind::HeadersTooLarge => "Request header fields too large",
@@ -168,7 +173,7 @@ impl ProblemKind {
             | ProblemKind::RequestBodyError
             | ProblemKind::MalformedRequest
             | ProblemKind::BadRequest => StatusCode::BAD_REQUEST,
-            ProblemKind::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProblemKind::Unauthorized | ProblemKind::InvalidSignature => StatusCode::UNAUTHORIZED,
             ProblemKind::NotFound | ProblemKind::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ProblemKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -230,6 +235,20 @@ impl Problem {
             }
         };
         Self::new(ProblemKind::MissingKey, detail)
+    }
+
+    /// `401 invalid-signature` with why. RFC 9110 asks a `401` for a challenge; the scheme is
+    /// named `Webhook-Signature`, as no registered one describes a sender's signature.
+    pub fn invalid_signature(why: &crate::webhook::SignatureError) -> Self {
+        let mut p = Self::new(
+            ProblemKind::InvalidSignature,
+            format!("{why}; nothing was claimed or forwarded"),
+        );
+        p.header = Some((
+            WWW_AUTHENTICATE,
+            HeaderValue::from_static("Webhook-Signature"),
+        ));
+        p
     }
 
     /// `400 request-body-error`.
@@ -535,6 +554,9 @@ pub enum Decision {
     InvalidKey,
     /// The route requires a key and none was sent.
     MissingKey,
+    /// The route verifies its sender's signature and the request's failed: `401`, nothing
+    /// claimed or forwarded.
+    SignatureRejected,
     /// The request body was over the limit or could not be read.
     RequestRejected,
     /// The store failed and the request was refused (`on_store_error = "reject"`).
@@ -546,7 +568,7 @@ pub enum Decision {
 
 impl Decision {
     /// Every decision, in declaration order (`ALL[d as usize] == d`).
-    pub const ALL: [Decision; 13] = [
+    pub const ALL: [Decision; 14] = [
         Decision::PassedThrough,
         Decision::Executed,
         Decision::UpstreamFailed,
@@ -557,6 +579,7 @@ impl Decision {
         Decision::NotReplayable,
         Decision::InvalidKey,
         Decision::MissingKey,
+        Decision::SignatureRejected,
         Decision::RequestRejected,
         Decision::StoreUnavailable,
         Decision::Unprotected,
@@ -575,6 +598,7 @@ impl Decision {
             Decision::NotReplayable => "not_replayable",
             Decision::InvalidKey => "invalid_key",
             Decision::MissingKey => "missing_key",
+            Decision::SignatureRejected => "signature_rejected",
             Decision::RequestRejected => "request_rejected",
             Decision::StoreUnavailable => "store_unavailable",
             Decision::Unprotected => "unprotected",
@@ -660,6 +684,20 @@ mod tests {
     }
 
     #[test]
+    fn an_invalid_signature_says_why_and_challenges() {
+        let why = crate::webhook::SignatureError::Mismatch;
+        let r = Problem::invalid_signature(&why).into_response();
+        let body = assert_problem(&r, 401, "invalid-signature");
+        assert!(
+            body["detail"]
+                .as_str()
+                .unwrap()
+                .starts_with(&why.to_string())
+        );
+        assert_eq!(r.headers()[WWW_AUTHENTICATE], "Webhook-Signature");
+    }
+
+    #[test]
     fn admin_problems() {
         let r = Problem::unauthorized().into_response();
         assert_problem(&r, 401, "unauthorized");
@@ -701,6 +739,7 @@ mod tests {
         let kinds = [
             ProblemKind::InvalidKey,
             ProblemKind::MissingKey,
+            ProblemKind::InvalidSignature,
             ProblemKind::RequestBodyError,
             ProblemKind::RequestTooLarge,
             ProblemKind::HeadersTooLarge,

@@ -112,6 +112,9 @@ where
             return pass_through(&mut inner, req, route, outcome_extension);
         }
         let header_key = match &policy.key {
+            // A route that verifies its sender reads and checks the body before it says a word
+            // about the key (`handle_keyed`).
+            _ if policy.verifier.is_some() => None,
             KeySource::Header(name) => match key::from_header(req.headers(), name) {
                 Ok(Some(key)) => Some(key),
                 Ok(None) if policy.require_key => {
@@ -251,31 +254,38 @@ where
                 return early(problem, Decision::RequestRejected, &route);
             }
         };
-        let key = match (header_key, &policy.key) {
-            (Some(key), _) => key,
-            (None, KeySource::JsonPointer(pointer)) => match key::from_json_body(&body, pointer) {
-                Ok(Some(key)) => key,
-                Ok(None) if policy.require_key => {
-                    let problem = Problem::missing_key(&policy.key);
-                    return early(problem, Decision::MissingKey, &route);
-                }
-                Ok(None) => {
-                    let req = Request::from_parts(parts, RequestBody::buffered(body));
-                    return Step::Answer(call(inner, req).await.map(|response| {
-                        tag(
-                            response.map(ResponseBody::inner),
-                            Decision::PassedThrough,
-                            &route,
-                            None,
-                        )
-                    }));
-                }
-                Err(why) => return early(Problem::invalid_key(why), Decision::InvalidKey, &route),
-            },
-            // A header key source always yields a key or an early answer in `call`.
-            (None, KeySource::Header(_)) => {
-                return early(Problem::internal(), Decision::RequestRejected, &route);
+        if let Some(verifier) = &policy.verifier
+            && let Err(why) = verifier.check(&route.prefix, &parts, &body)
+        {
+            settings.stats.count_signature_rejected();
+            tracing::info!(route = %route.name, reason = %why, "signature refused; nothing claimed or forwarded");
+            let problem = Problem::invalid_signature(&why);
+            return early(problem, Decision::SignatureRejected, &route);
+        }
+        let found = match (header_key, &policy.key) {
+            (Some(key), _) => Ok(Some(key)),
+            (None, KeySource::JsonPointer(pointer)) => key::from_json_body(&body, pointer),
+            // Left for here by `call` on a route that verifies its sender.
+            (None, KeySource::Header(name)) => key::from_header(&parts.headers, name),
+        };
+        let key = match found {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.require_key => {
+                let problem = Problem::missing_key(&policy.key);
+                return early(problem, Decision::MissingKey, &route);
             }
+            Ok(None) => {
+                let req = Request::from_parts(parts, RequestBody::buffered(body));
+                return Step::Answer(call(inner, req).await.map(|response| {
+                    tag(
+                        response.map(ResponseBody::inner),
+                        Decision::PassedThrough,
+                        &route,
+                        None,
+                    )
+                }));
+            }
+            Err(why) => return early(Problem::invalid_key(why), Decision::InvalidKey, &route),
         };
         let record =
             fingerprint::record_key(&route.name, &policy.scope_headers, &parts.headers, &key);

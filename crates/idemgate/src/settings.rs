@@ -11,13 +11,16 @@ use crate::store::Store;
 #[derive(Debug)]
 pub(crate) struct Route {
     pub(crate) name: Arc<str>,
+    /// The prefix the route is matched at; empty for the default route.
+    pub(crate) prefix: Arc<str>,
     pub(crate) policy: RoutePolicy,
 }
 
 impl Route {
-    pub(crate) fn new(policy: RoutePolicy) -> Arc<Self> {
+    pub(crate) fn new(prefix: &str, policy: RoutePolicy) -> Arc<Self> {
         Arc::new(Self {
             name: Arc::from(policy.route_name()),
+            prefix: Arc::from(prefix),
             policy,
         })
     }

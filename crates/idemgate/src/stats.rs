@@ -9,6 +9,7 @@ pub struct LayerStats {
     fenced_completions: AtomicU64,
     store_errors: AtomicU64,
     unprotected_passes: AtomicU64,
+    signature_rejections: AtomicU64,
     in_flight: AtomicU64,
 }
 
@@ -29,6 +30,12 @@ impl LayerStats {
         self.unprotected_passes.load(Ordering::Relaxed)
     }
 
+    /// Requests refused `401 invalid-signature` by a route's
+    /// [`verifier`](crate::RoutePolicy::verify_with): nothing was claimed or forwarded.
+    pub fn signature_rejections(&self) -> u64 {
+        self.signature_rejections.load(Ordering::Relaxed)
+    }
+
     /// Keyed requests this layer is running upstream now.
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
@@ -44,6 +51,10 @@ impl LayerStats {
 
     pub(crate) fn count_unprotected(&self) {
         self.unprotected_passes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_signature_rejected(&self) {
+        self.signature_rejections.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn enter(self: &Arc<Self>) -> InFlightGuard {

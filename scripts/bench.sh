@@ -314,7 +314,7 @@ COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 REPORT="$TMP/report.md"
 {
-    echo "Run of $(date -u +%Y-%m-%d) on $MACHINE; commit $COMMIT."
+    echo "Run on $MACHINE at commit $COMMIT."
     echo "wrk: $CONNECTIONS connections, $THREADS threads, pinned to core $LOAD_CPU; upstream, nginx (1 worker), idemgate and"
     echo "redis-server pinned to core $SERVER_CPU. Each case: median of $REPEATS interleaved runs of ${DURATION} s (after a ${WARMUP} s warm-up)."
     echo "Record ttl ${RECORD_TTL}. CPU is the user+system time of the serving process (the upstream, the nginx worker, or idemgate) per request."

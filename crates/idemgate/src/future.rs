@@ -47,7 +47,7 @@ pin_project_lite::pin_project! {
         PassThrough { #[pin] future: F, route: Arc<str> },
         Ready { response: Option<Response<ResponseBody<B>>> },
         Keyed { step: BoxStep<B, E>, detach: Detacher<B, E> },
-        Running { run: MustFinish<B, E> },
+        Running { run: DetachOnDrop<B, E> },
     }
 }
 
@@ -105,7 +105,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
                 KindProj::Keyed { step, detach } => match ready!(step.as_mut().poll(cx)) {
                     Step::Answer(answer) => return Poll::Ready(answer),
                     Step::Run(run) => Kind::Running {
-                        run: MustFinish {
+                        run: DetachOnDrop {
                             run: Some(run),
                             detach: *detach,
                         },
@@ -140,12 +140,12 @@ where
 
 /// Work polled in the caller's task that is handed to a task of its own if the caller drops
 /// it before it finishes.
-struct MustFinish<B, E> {
+struct DetachOnDrop<B, E> {
     run: Option<BoxAnswer<B, E>>,
     detach: Detacher<B, E>,
 }
 
-impl<B, E> MustFinish<B, E> {
+impl<B, E> DetachOnDrop<B, E> {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Answer<B, E>> {
         let Some(run) = self.run.as_mut() else {
             panic!("ResponseFuture polled after completion");
@@ -156,7 +156,7 @@ impl<B, E> MustFinish<B, E> {
     }
 }
 
-impl<B, E> Drop for MustFinish<B, E> {
+impl<B, E> Drop for DetachOnDrop<B, E> {
     fn drop(&mut self) {
         if let Some(run) = self.run.take() {
             (self.detach)(run);

@@ -473,7 +473,7 @@ impl Keyed {
                 .settings
                 .upstream_timeout
                 .map(|after| tokio::time::Instant::now() + after);
-            let error = match within(deadline, called).await {
+            let error = match with_deadline(deadline, called).await {
                 Some(Ok(response)) => {
                     let (parts, body) = response.into_parts();
                     return self.settle(parts, body, deadline, token).await;
@@ -526,7 +526,8 @@ impl Keyed {
                 return Ok(self.tag(response, Decision::Executed));
             }
 
-            let Some(body) = within(deadline, read_capped(body, policy.max_response_bytes)).await
+            let Some(body) =
+                with_deadline(deadline, read_capped(body, policy.max_response_bytes)).await
             else {
                 return Ok(self.timed_out(token).await);
             };
@@ -718,7 +719,7 @@ impl Keyed {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let timeout = self.settings.store_timeout;
-        let result = match Bounded::new(call, timeout).await {
+        let result = match StoreCallTimeout::new(call, timeout).await {
             Some(result) => result,
             None => Err(StoreError::Timeout {
                 backend: self.settings.store.backend(),
@@ -787,9 +788,9 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// The future of [`call`]. Plain futures here and in [`Within`], not `async fn`s: an
+    /// The future of [`call`]. Plain futures here and in [`WithDeadline`], not `async fn`s: an
     /// `async fn` would hold the service and the request (over 300 bytes) in its state beside
-    /// the future it awaits, and `within`'s would hold all of that again, on every keyed
+    /// the future it awaits, and `with_deadline`'s would hold all of that again, on every keyed
     /// request.
     struct Called<F> {
         #[pin]
@@ -812,31 +813,31 @@ where
 }
 
 /// Runs `work` until `deadline`, if there is one; `None` when the time ran out first.
-fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Within<F> {
+fn with_deadline<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> WithDeadline<F> {
     match deadline {
-        Some(deadline) => Within::Bounded {
+        Some(deadline) => WithDeadline::Timed {
             work: tokio::time::timeout_at(deadline, work),
         },
-        None => Within::Open { work },
+        None => WithDeadline::Unbounded { work },
     }
 }
 
 pin_project_lite::pin_project! {
-    /// The future of [`within`].
-    #[project = WithinProj]
-    enum Within<F> {
-        Open { #[pin] work: F },
-        Bounded { #[pin] work: tokio::time::Timeout<F> },
+    /// The future of [`with_deadline`].
+    #[project = WithDeadlineProj]
+    enum WithDeadline<F> {
+        Unbounded { #[pin] work: F },
+        Timed { #[pin] work: tokio::time::Timeout<F> },
     }
 }
 
-impl<F: Future> Future for Within<F> {
+impl<F: Future> Future for WithDeadline<F> {
     type Output = Option<F::Output>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            WithinProj::Open { work } => work.poll(cx).map(Some),
-            WithinProj::Bounded { work } => work.poll(cx).map(Result::ok),
+            WithDeadlineProj::Unbounded { work } => work.poll(cx).map(Some),
+            WithDeadlineProj::Timed { work } => work.poll(cx).map(Result::ok),
         }
     }
 }
@@ -845,7 +846,7 @@ pin_project_lite::pin_project! {
     /// A store call bounded by the store timeout; `None` when the time ran out. The deadline
     /// is set only if the call does not finish at its first poll, so a store that answers at
     /// once (the memory store) costs no timer and no clock read.
-    struct Bounded<F> {
+    struct StoreCallTimeout<F> {
         #[pin]
         call: F,
         timeout: Duration,
@@ -854,7 +855,7 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<F> Bounded<F> {
+impl<F> StoreCallTimeout<F> {
     fn new(call: F, timeout: Duration) -> Self {
         Self {
             call,
@@ -864,7 +865,7 @@ impl<F> Bounded<F> {
     }
 }
 
-impl<F: Future> Future for Bounded<F> {
+impl<F: Future> Future for StoreCallTimeout<F> {
     type Output = Option<F::Output>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {

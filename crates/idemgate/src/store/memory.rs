@@ -117,7 +117,7 @@ enum State {
         lease_deadline: Tick,
     },
     Completed {
-        completion: Kept,
+        completion: StoredCompletion,
         stored_at: Tick,
         /// The replays that decoded an encoded `completion`, up to [`DECODES_BEFORE_KEEPING`].
         decodes: u8,
@@ -129,7 +129,7 @@ enum State {
 
 /// A completed record's response as the store keeps it.
 #[derive(Clone)]
-enum Kept {
+enum StoredCompletion {
     /// [`Completion::encode`]d: one allocation holding exactly the record's bytes. A decoded
     /// response would hold a header map (several allocations) and, for a response read from
     /// a connection, views that keep the whole read buffer alive.
@@ -299,12 +299,12 @@ impl Inner {
             Some(Ok(match decide(found, options.on_lapse, now) {
                 ClaimStep::Answer(claim) => claim,
                 ClaimStep::Replay {
-                    completion: Kept::Decoded(decoded),
+                    completion: StoredCompletion::Decoded(decoded),
                     ..
                 } => Claim::Completed(Arc::clone(decoded)),
                 ClaimStep::Replay {
                     record: id,
-                    completion: Kept::Encoded(encoded),
+                    completion: StoredCompletion::Encoded(encoded),
                 } => {
                     let encoded = encoded.clone();
                     return Some(replay(shard, id, encoded));
@@ -380,7 +380,7 @@ fn replay(shard: &mut Shard, id: Id, encoded: Bytes) -> Result<Claim, Bytes> {
                 // A record that does not decode stays as it is: the caller's decode reports it.
                 let decoded = Arc::new(decoded);
                 kept = Some(Arc::clone(&decoded));
-                *completion = Kept::Decoded(decoded);
+                *completion = StoredCompletion::Decoded(decoded);
             }
         }
         expires
@@ -512,7 +512,7 @@ impl Store for MemoryStore {
         let completion = completion.encode();
         Ok(self.inner.fenced(key, token, |shard, id, now| {
             let state = State::Completed {
-                completion: Kept::Encoded(completion),
+                completion: StoredCompletion::Encoded(completion),
                 stored_at: now,
                 decodes: 0,
             };
@@ -592,8 +592,8 @@ impl Store for MemoryStore {
             Some(Err((fingerprint, kept, stored_at))) => Ok(Some(Record::Completed {
                 fingerprint,
                 completion: match kept {
-                    Kept::Encoded(encoded) => decode_completion("memory", encoded)?,
-                    Kept::Decoded(decoded) => Arc::unwrap_or_clone(decoded),
+                    StoredCompletion::Encoded(encoded) => decode_completion("memory", encoded)?,
+                    StoredCompletion::Decoded(decoded) => Arc::unwrap_or_clone(decoded),
                 },
                 stored_at,
             })),

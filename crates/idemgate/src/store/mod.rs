@@ -11,11 +11,11 @@ use async_trait::async_trait;
 
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
 
+#[cfg(feature = "redb")]
+mod answer_queue;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod decision;
-#[cfg(feature = "redb")]
-mod handout;
 mod key_hash;
 mod memory;
 #[cfg(feature = "postgres")]

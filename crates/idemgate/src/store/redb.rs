@@ -9,7 +9,7 @@
 //! makes the whole batch durable at once (group commit). A batch that changed nothing
 //! (replays, conflicts, fenced calls) is not synced. Nothing blocks the async runtime, and a
 //! batch's answers cost its callers' runtime one wake-up from the writer thread, not one each
-//! (see [`Handout`]).
+//! (see [`AnswerQueue`]).
 //!
 //! A batch is made durable by its journal frame: the batch is applied to the writer's open
 //! write transaction, which is not committed, and its row changes are appended to the journal
@@ -99,7 +99,7 @@ use self::journal::Journal;
 use self::open::open_file;
 use self::ops::{Done, Op, Reply};
 use self::writer::{QUEUE, REOPEN_FIRST, SWEEP_INTERVAL, Writer};
-use super::handout::Handout;
+use super::answer_queue::AnswerQueue;
 use super::{Claim, ClaimOptions, Store, StoreError, Transition};
 use crate::record::{Completion, DecodeError, FingerprintHash, OwnerToken, Record, RecordKey};
 
@@ -134,21 +134,23 @@ const BACKEND: &str = "redb";
 /// committed write brings it back to a second.
 #[derive(Clone)]
 pub struct RedbStore {
-    shared: Arc<Shared>,
+    shared: Arc<WriterHandle>,
 }
 
-struct Shared {
+/// What every clone of the store shares: the file's path and its writer thread, with the
+/// queue to it and the answers it leaves. The writer stops when the last clone is dropped.
+struct WriterHandle {
     /// Write transactions committed, to show that changes are grouped.
     #[cfg(test)]
     commits: Arc<std::sync::atomic::AtomicU64>,
     path: Arc<Path>,
     ops: Option<mpsc::Sender<Op>>,
     /// Where the writer leaves a committed batch's answers.
-    answers: Arc<Handout<Done>>,
+    answers: Arc<AnswerQueue<Done>>,
     writer: Option<JoinHandle<()>>,
 }
 
-impl Drop for Shared {
+impl Drop for WriterHandle {
     fn drop(&mut self) {
         // Closing the queue ends the writer; waiting for it means the file is closed (and can
         // be reopened) once the last handle is gone.
@@ -289,7 +291,7 @@ impl RedbStore {
         let (ops, queue) = mpsc::channel(QUEUE);
         #[cfg(test)]
         let commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let answers = Arc::new(Handout::new());
+        let answers = Arc::new(AnswerQueue::new());
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
@@ -318,7 +320,7 @@ impl RedbStore {
             .name("idemgate-redb-writer".into())
             .spawn(move || writer.run(queue))
             .map_err(thread_error)?;
-        let shared = Shared {
+        let shared = WriterHandle {
             #[cfg(test)]
             commits,
             path: Arc::clone(&path),

@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::{RedbError, unavailable};
 use crate::record::{FingerprintHash, OwnerToken, Record, RecordKey};
-use crate::store::handout::Answer;
+use crate::store::answer_queue::QueuedAnswer;
 use crate::store::{Claim, ClaimOptions, StoreError, Transition};
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
@@ -83,7 +83,7 @@ impl Failure {
 }
 
 /// A change's answer, held until its batch is committed, then sent through the
-/// [`Handout`](crate::store::handout::Handout).
+/// [`AnswerQueue`](crate::store::answer_queue::AnswerQueue).
 pub(super) type Done = Box<dyn Settle>;
 
 /// An answer of any type, as [`Done`] holds it.
@@ -124,7 +124,7 @@ impl Settle for Unanswered {
     }
 }
 
-impl Answer for Done {
+impl QueuedAnswer for Done {
     fn send(self) -> bool {
         Settle::send(self)
     }

@@ -25,7 +25,7 @@ use super::open::{
 use super::ops::{Op, Reply};
 use super::writer::{CHECKPOINT_EVERY, Writer};
 use crate::record::{Completion, FingerprintHash, OwnerToken, Record, RecordKey};
-use crate::store::handout::Handout;
+use crate::store::answer_queue::AnswerQueue;
 use crate::store::{Claim, ClaimOptions, Store, StoreError, Transition, UnknownOutcome};
 
 impl Header {
@@ -169,7 +169,7 @@ impl redb::StorageBackend for FailingSync {
 fn test_writer(path: &Path, (db, journal, rows): (Database, Journal, RowIndex)) -> Writer {
     Writer {
         commits: Arc::default(),
-        answers: Arc::new(Handout::new()),
+        answers: Arc::new(AnswerQueue::new()),
         txn: None,
         db: Some(db),
         journal: Some(journal),
@@ -785,9 +785,9 @@ fn an_idle_writer_checkpoints_its_journal() {
     remove_files(&path);
 }
 
-/// A batch's answers reach their callers through one of them (see `Handout`): callers
+/// A batch's answers reach their callers through one of them (see `AnswerQueue`): callers
 /// that gave up before their answer came (their store timeout) are passed over, and the
-/// others are all answered. (A caller reached and then dropped is the handout's own test.)
+/// others are all answered. (A caller reached and then dropped is the answer queue's own test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_that_give_up_leave_no_answer_waiting() {
     let path = temp_path("give-up");

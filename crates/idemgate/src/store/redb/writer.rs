@@ -19,7 +19,7 @@ use super::journal::Journal;
 use super::open::{open_file, read_view, record_checkpoint};
 use super::ops::{Done, Failure, Op};
 use crate::record::{OwnerToken, RecordKey};
-use crate::store::handout::Handout;
+use crate::store::answer_queue::AnswerQueue;
 
 /// Most changes committed together in one write transaction.
 pub(super) const MAX_BATCH: usize = 256;
@@ -49,7 +49,7 @@ pub(super) struct Writer {
     #[cfg(test)]
     pub(super) commits: Arc<std::sync::atomic::AtomicU64>,
     /// Where each batch's answers go once it is committed (or failed).
-    pub(super) answers: Arc<Handout<Done>>,
+    pub(super) answers: Arc<AnswerQueue<Done>>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
     /// is applied to it and made durable by its journal frame; only a checkpoint commits it,
     /// so a page the batches of a second change again and again is copied and written once.

@@ -1,8 +1,8 @@
-//! [`Handout`]: a worker thread answers a batch of async callers with one cross-runtime wake.
+//! [`AnswerQueue`]: a worker thread answers a batch of async callers with one cross-runtime wake.
 //!
 //! Waking a task from a thread outside its runtime costs a system call: the runtime is told
 //! through its event descriptor, whether or not it is asleep. A worker that answers each
-//! caller of a batch itself pays that once per caller. Through a [`Handout`], the worker
+//! caller of a batch itself pays that once per caller. Through an [`AnswerQueue`], the worker
 //! sends one answer and queues the rest; the caller it woke, running on its runtime's thread,
 //! sends the rest from there, where a wake is a push onto the runtime's own queue.
 //!
@@ -23,19 +23,19 @@ use std::task::{Context, Poll, ready};
 use tokio::sync::oneshot;
 
 /// An answer to one caller, ready to send.
-pub(crate) trait Answer: Send {
+pub(crate) trait QueuedAnswer: Send {
     /// Sends the answer, waking its caller; `false` if the caller is gone.
     fn send(self) -> bool;
 }
 
 /// Answers queued by a worker, handed out by the first caller it woke.
-pub(crate) struct Handout<A> {
+pub(crate) struct AnswerQueue<A> {
     queued: Mutex<Vec<A>>,
     /// Whether `queued` may hold anything, so a caller looks without taking the lock.
     any: AtomicBool,
 }
 
-impl<A: Answer> Handout<A> {
+impl<A: QueuedAnswer> AnswerQueue<A> {
     pub(crate) fn new() -> Self {
         Self {
             queued: Mutex::new(Vec::new()),
@@ -84,22 +84,22 @@ impl<A: Answer> Handout<A> {
         crate::lock::lock(&self.queued)
     }
 
-    /// Waits for the answer `receiver` gets through this handout.
+    /// Waits for the answer `receiver` gets through this queue.
     pub(crate) fn wait<T>(&self, receiver: oneshot::Receiver<T>) -> Waiting<'_, A, T> {
         Waiting {
             receiver: Some(receiver),
-            handout: self,
+            queue: self,
         }
     }
 }
 
 /// A caller waiting for its answer; hands out the queue once it comes, or when dropped.
-pub(crate) struct Waiting<'h, A: Answer, T> {
+pub(crate) struct Waiting<'h, A: QueuedAnswer, T> {
     receiver: Option<oneshot::Receiver<T>>,
-    handout: &'h Handout<A>,
+    queue: &'h AnswerQueue<A>,
 }
 
-impl<A: Answer, T> Future for Waiting<'_, A, T> {
+impl<A: QueuedAnswer, T> Future for Waiting<'_, A, T> {
     type Output = Result<T, oneshot::error::RecvError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -108,18 +108,18 @@ impl<A: Answer, T> Future for Waiting<'_, A, T> {
         };
         let answer = ready!(Pin::new(receiver).poll(cx));
         self.receiver = None;
-        self.handout.hand_out();
+        self.queue.hand_out();
         Poll::Ready(answer)
     }
 }
 
-impl<A: Answer, T> Drop for Waiting<'_, A, T> {
+impl<A: QueuedAnswer, T> Drop for Waiting<'_, A, T> {
     fn drop(&mut self) {
         if let Some(receiver) = self.receiver.take() {
             // Closed first: from here on the worker cannot reach this caller, so whatever it
             // queued before reaching it is already in the queue.
             drop(receiver);
-            self.handout.hand_out();
+            self.queue.hand_out();
         }
     }
 }
@@ -136,7 +136,7 @@ mod tests {
         sent: Arc<AtomicUsize>,
     }
 
-    impl Answer for Reply {
+    impl QueuedAnswer for Reply {
         fn send(self) -> bool {
             self.sent.fetch_add(1, Ordering::Relaxed);
             self.sender.send(self.value).is_ok()
@@ -162,12 +162,12 @@ mod tests {
 
     #[tokio::test]
     async fn the_worker_sends_one_answer_and_its_caller_the_rest() {
-        let handout = Handout::new();
+        let queue = AnswerQueue::new();
         let sent = Arc::new(AtomicUsize::new(0));
         let (answers, receivers) = replies(5, &sent);
-        handout.deliver(answers);
+        queue.deliver(answers);
         assert_eq!(sent.load(Ordering::Relaxed), 1, "the worker sent only one");
-        let mut waiting: Vec<_> = receivers.into_iter().map(|r| handout.wait(r)).collect();
+        let mut waiting: Vec<_> = receivers.into_iter().map(|r| queue.wait(r)).collect();
         // The last answer was the one sent; its caller hands out the other four.
         assert_eq!(waiting.pop().unwrap().await.unwrap(), 4);
         assert_eq!(sent.load(Ordering::Relaxed), 5);
@@ -178,31 +178,31 @@ mod tests {
 
     #[tokio::test]
     async fn callers_that_went_away_are_skipped() {
-        let handout = Handout::new();
+        let queue = AnswerQueue::new();
         let sent = Arc::new(AtomicUsize::new(0));
         let (answers, mut receivers) = replies(4, &sent);
         // The last two callers are gone before the answers come.
         drop(receivers.pop());
         drop(receivers.pop());
-        handout.deliver(answers);
+        queue.deliver(answers);
         assert_eq!(
             sent.load(Ordering::Relaxed),
             3,
             "two gone, then one reached"
         );
         let second = receivers.pop().unwrap();
-        assert_eq!(handout.wait(second).await.unwrap(), 1);
+        assert_eq!(queue.wait(second).await.unwrap(), 1);
         let first = receivers.pop().unwrap();
-        assert_eq!(handout.wait(first).await.unwrap(), 0);
+        assert_eq!(queue.wait(first).await.unwrap(), 0);
     }
 
     #[tokio::test]
     async fn a_reached_caller_that_goes_away_still_hands_out_the_rest() {
-        let handout = Handout::new();
+        let queue = AnswerQueue::new();
         let sent = Arc::new(AtomicUsize::new(0));
         let (answers, mut receivers) = replies(3, &sent);
-        let reached = handout.wait(receivers.pop().unwrap());
-        handout.deliver(answers);
+        let reached = queue.wait(receivers.pop().unwrap());
+        queue.deliver(answers);
         assert_eq!(sent.load(Ordering::Relaxed), 1);
         // Dropped without being polled, like a call cut off by its timeout.
         drop(reached);
@@ -214,15 +214,15 @@ mod tests {
 
     #[tokio::test]
     async fn answers_the_reached_caller_has_not_handed_out_go_with_the_next_delivery() {
-        let handout = Handout::new();
+        let queue = AnswerQueue::new();
         let sent = Arc::new(AtomicUsize::new(0));
         let (first, mut first_receivers) = replies(3, &sent);
         // Reached, but its task does not run (its runtime is busy): it neither polls nor drops.
-        let reached = handout.wait(first_receivers.pop().unwrap());
-        handout.deliver(first);
+        let reached = queue.wait(first_receivers.pop().unwrap());
+        queue.deliver(first);
         assert_eq!(sent.load(Ordering::Relaxed), 1);
         let (second, mut second_receivers) = replies(2, &sent);
-        handout.deliver(second);
+        queue.deliver(second);
         // The first delivery's two others, then one of the second's.
         assert_eq!(sent.load(Ordering::Relaxed), 4);
         for (value, receiver) in first_receivers.into_iter().enumerate() {
@@ -240,18 +240,18 @@ mod tests {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let handout = Arc::new(Handout::new());
+        let queue = Arc::new(AnswerQueue::new());
         let sent = Arc::new(AtomicUsize::new(0));
         runtime.block_on(async {
             for round in 0..50 {
                 let (answers, receivers) = replies(1 + round % 7, &sent);
                 let worker = {
-                    let handout = Arc::clone(&handout);
-                    std::thread::spawn(move || handout.deliver(answers))
+                    let queue = Arc::clone(&queue);
+                    std::thread::spawn(move || queue.deliver(answers))
                 };
                 let waits = receivers.into_iter().map(|r| {
-                    let handout = Arc::clone(&handout);
-                    tokio::spawn(async move { handout.wait(r).await.unwrap() })
+                    let queue = Arc::clone(&queue);
+                    tokio::spawn(async move { queue.wait(r).await.unwrap() })
                 });
                 let waits: Vec<_> = waits.collect();
                 for (value, wait) in waits.into_iter().enumerate() {

@@ -4,7 +4,6 @@
 
 #![cfg(feature = "postgres")]
 
-use std::cell::RefCell;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -18,32 +17,23 @@ use idemgate::store::{
 };
 use test_servers::PostgresServer;
 
-thread_local! {
-    /// The servers of the test running on this thread. Each test runs on a thread of its own
-    /// and its store is made on that thread (`#[tokio::test]` polls the test's future there),
-    /// so the server lives exactly as long as the test and is stopped when its thread ends,
-    /// after the test's runtime (and with it the store) is gone.
-    static SERVERS: RefCell<Vec<PostgresServer>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The whole contract, each check on its own server.
+/// The whole contract, each check on its own server (stopped once the check is done).
 mod conformance {
     idemgate::store_conformance_tests!(super::store_on_own_server());
 }
 
-/// A store on a fresh server that lives as long as the calling test.
-async fn store_on_own_server() -> PostgresStore {
+/// A store on a fresh server, and the server.
+async fn store_on_own_server() -> (PostgresStore, PostgresServer) {
     let server = PostgresServer::start();
     let store = connect(config(&server)).await;
-    SERVERS.with(|servers| servers.borrow_mut().push(server));
-    store
+    (store, server)
 }
 
 /// Short enough that fault tests finish quickly, long enough for a loaded 2-core machine.
 const FAULT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The lock the background deletion of expired rows holds while it deletes (see
-/// `src/store/postgres/sweep.rs`).
+/// `crates/idemgate/src/store/postgres/sweep.rs`).
 const SWEEP_LOCK: i64 = 0x6964_656d_6761_7466;
 
 fn config(server: &PostgresServer) -> PostgresStoreConfig {

@@ -23,90 +23,16 @@ use idemgate::store::{
 use test_servers::RedisServer;
 use tower::ServiceExt;
 
-/// The whole contract, each check on its own server (dropped, and so killed, with the store).
+/// The whole contract, each check on its own server (stopped once the check is done).
 mod conformance {
-    use super::*;
-
-    idemgate::store_conformance_tests!(ServerBackedStore::start());
+    idemgate::store_conformance_tests!(super::store_on_own_server());
 }
 
-/// A store that owns the `redis-server` it talks to, so the server lives exactly as long as
-/// the conformance check that uses it.
-struct ServerBackedStore {
-    store: RedisStore,
-    _server: RedisServer,
-}
-
-impl ServerBackedStore {
-    async fn start() -> Self {
-        let server = RedisServer::start();
-        let store = connect(config(&server)).await;
-        Self {
-            store,
-            _server: server,
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl Store for ServerBackedStore {
-    async fn claim(
-        &self,
-        key: &RecordKey,
-        fingerprint: &FingerprintHash,
-        token: OwnerToken,
-        options: &ClaimOptions,
-    ) -> Result<Claim, StoreError> {
-        self.store.claim(key, fingerprint, token, options).await
-    }
-
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        token: OwnerToken,
-        completion: Completion,
-        ttl: Duration,
-    ) -> Result<Transition, StoreError> {
-        self.store.complete(key, token, completion, ttl).await
-    }
-
-    async fn release(&self, key: &RecordKey, token: OwnerToken) -> Result<Transition, StoreError> {
-        self.store.release(key, token).await
-    }
-
-    async fn renew(
-        &self,
-        key: &RecordKey,
-        token: OwnerToken,
-        lease: Duration,
-    ) -> Result<Transition, StoreError> {
-        self.store.renew(key, token, lease).await
-    }
-
-    async fn mark_ambiguous(
-        &self,
-        key: &RecordKey,
-        token: OwnerToken,
-        ttl: Duration,
-    ) -> Result<Transition, StoreError> {
-        self.store.mark_ambiguous(key, token, ttl).await
-    }
-
-    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
-        self.store.get(key).await
-    }
-
-    async fn delete(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        self.store.delete(key).await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.store.ping().await
-    }
-
-    fn backend(&self) -> &'static str {
-        self.store.backend()
-    }
+/// A store on a fresh server, and the server.
+async fn store_on_own_server() -> (RedisStore, RedisServer) {
+    let server = RedisServer::start();
+    let store = connect(config(&server)).await;
+    (store, server)
 }
 
 /// Short enough that fault tests finish quickly, long enough for a loaded 2-core machine.

@@ -17,6 +17,7 @@
 //! backend is measured by its own clock; every sleep is bounded. Keys are random per check,
 //! so a backend shared between checks (one Redis database) does not mix them up.
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -38,28 +39,36 @@ pub const LONG: Duration = Duration::from_secs(60);
 const CLOCK_SLACK: Duration = Duration::from_secs(5);
 
 /// What a store factory in [`store_conformance_tests!`](crate::store_conformance_tests) may
-/// produce: a store, or `None` to skip the checks (a backend whose server is not available
-/// on this machine).
+/// produce: a store; a store with what must outlive it, as a pair (`(store, server)`: the
+/// server the store talks to, dropped, and so stopped, once the check is done); or `None` to
+/// skip the checks (a backend whose server is not available on this machine).
 pub trait ConformanceStore {
-    /// The store to check, if there is one.
-    fn into_store(self) -> Option<Arc<dyn Store>>;
+    /// The store to check, if there is one, and what must live as long as the check.
+    fn into_store(self) -> Option<(Arc<dyn Store>, Box<dyn Any>)>;
 }
 
 impl ConformanceStore for Arc<dyn Store> {
-    fn into_store(self) -> Option<Arc<dyn Store>> {
-        Some(self)
+    fn into_store(self) -> Option<(Arc<dyn Store>, Box<dyn Any>)> {
+        Some((self, Box::new(())))
     }
 }
 
 impl ConformanceStore for Option<Arc<dyn Store>> {
-    fn into_store(self) -> Option<Arc<dyn Store>> {
-        self
+    fn into_store(self) -> Option<(Arc<dyn Store>, Box<dyn Any>)> {
+        self.map(|store| (store, Box::new(()) as Box<dyn Any>))
     }
 }
 
 impl<S: Store> ConformanceStore for S {
-    fn into_store(self) -> Option<Arc<dyn Store>> {
-        Some(Arc::new(self))
+    fn into_store(self) -> Option<(Arc<dyn Store>, Box<dyn Any>)> {
+        Some((Arc::new(self), Box::new(())))
+    }
+}
+
+impl<S: Store, G: 'static> ConformanceStore for (S, G) {
+    fn into_store(self) -> Option<(Arc<dyn Store>, Box<dyn Any>)> {
+        let (store, guard) = self;
+        Some((Arc::new(store), Box::new(guard)))
     }
 }
 
@@ -70,7 +79,9 @@ where
     F: std::future::Future<Output = ()>,
 {
     match store.into_store() {
-        Some(store) => check(store).await,
+        // The guard (a server the store talks to) is dropped after the check, and after the
+        // store the check was given.
+        Some((store, _guard)) => check(store).await,
         None => eprintln!("conformance check {name} skipped: no store"),
     }
 }
@@ -78,8 +89,9 @@ where
 /// Expands to one `#[tokio::test]` per conformance check, each on a fresh store.
 ///
 /// The argument is an expression that evaluates to a future whose output is an
-/// `Arc<dyn Store>`, a concrete [`Store`](crate::store::Store), or an
-/// `Option<Arc<dyn Store>>` (`None` skips the check). It is evaluated once per test, so it
+/// `Arc<dyn Store>`, a concrete [`Store`](crate::store::Store), a pair of a store and what
+/// must outlive it (`(store, server)`), or an `Option<Arc<dyn Store>>` (`None` skips the
+/// check). It is evaluated once per test, so it
 /// must make a new, empty store each time: an `async { ... }` block or a call to an
 /// `async fn`. Invoke the macro once per module (the tests have fixed names).
 #[macro_export]

@@ -24,10 +24,10 @@ use http::{Method, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use tower_service::Service;
 
-use super::client::{
+use super::config::Upstream;
+use super::http1::client::{
     self, BodyReader, ClientError, Connection, OwnFields, ResponseHead, UnsentBody,
 };
-use super::config::Upstream;
 use super::metrics::{Metrics, UpstreamErrorKind};
 use super::pool::{ConnectError, Pool};
 use idemgate::ErrorChain;
@@ -200,13 +200,13 @@ where
                 *response.headers_mut() = head.headers;
                 response
             }
-            Err(SendError::Client(client::SendError::BodyBeforeSent(error))) => {
+            Err(ForwardError::Client(client::SendError::BodyBeforeSent(error))) => {
                 // The client's body broke off (or overran its length) before anything went
                 // upstream: not the upstream's failure, and nothing was sent.
                 tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
                 problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
             }
-            Err(SendError::Client(client::SendError::NoResponse(ClientError::RequestBody(
+            Err(ForwardError::Client(client::SendError::NoResponse(ClientError::RequestBody(
                 error,
             )))) => {
                 // The same after part of the request went out: the upstream holds an incomplete
@@ -233,7 +233,7 @@ where
 
 /// Why the upstream gave no response.
 #[derive(Debug, thiserror::Error)]
-enum SendError {
+enum ForwardError {
     /// No connection could be had: nothing was sent.
     #[error(transparent)]
     Connect(ConnectError),
@@ -245,17 +245,17 @@ enum SendError {
     Client(#[from] client::SendError),
 }
 
-impl SendError {
+impl ForwardError {
     /// What kind of upstream failure this is. Only a failure after the request may have been
     /// written is a timeout or a reset, whose outcome is unknown: a connection that was never
     /// made, even one cut short by the request's deadline, sent nothing.
     fn kind(&self) -> UpstreamErrorKind {
         match self {
-            SendError::Connect(_)
-            | SendError::ConnectTimedOut
-            | SendError::Client(client::SendError::Unused(_)) => UpstreamErrorKind::Unreachable,
-            SendError::Client(client::SendError::TimedOut) => UpstreamErrorKind::Timeout,
-            SendError::Client(_) => UpstreamErrorKind::Reset,
+            ForwardError::Connect(_)
+            | ForwardError::ConnectTimedOut
+            | ForwardError::Client(client::SendError::Unused(_)) => UpstreamErrorKind::Unreachable,
+            ForwardError::Client(client::SendError::TimedOut) => UpstreamErrorKind::Timeout,
+            ForwardError::Client(_) => UpstreamErrorKind::Reset,
         }
     }
 }
@@ -269,7 +269,7 @@ async fn exchange<B>(
     own: &OwnFields<'_>,
     body: &mut B,
     deadline: tokio::time::Instant,
-) -> Result<(ResponseHead, Box<Connection>), SendError>
+) -> Result<(ResponseHead, Box<Connection>), ForwardError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -287,8 +287,8 @@ where
     }
     let mut connection = tokio::time::timeout_at(deadline, pool.connect())
         .await
-        .map_err(|_| SendError::ConnectTimedOut)?
-        .map_err(SendError::Connect)?;
+        .map_err(|_| ForwardError::ConnectTimedOut)?
+        .map_err(ForwardError::Connect)?;
     let response = connection
         .send(head, own, body, &mut first, deadline)
         .await?;
@@ -591,7 +591,12 @@ mod tests {
             replaced: &FORWARDER_FIELDS,
         };
         let mut out = Vec::new();
-        client::encode_head(&parts, &own, client::BodyLength::Exact(2), &mut out);
+        client::encode_head(
+            &parts,
+            &own,
+            crate::http1::codec::Framing::Length(2),
+            &mut out,
+        );
         String::from_utf8(out).unwrap()
     }
 
@@ -722,7 +727,7 @@ mod tests {
         let error = exchange(&shared.pool, &head, &own, &mut body, deadline)
             .await
             .unwrap_err();
-        assert!(matches!(error, SendError::ConnectTimedOut), "{error:?}");
+        assert!(matches!(error, ForwardError::ConnectTimedOut), "{error:?}");
         assert_eq!(error.kind(), UpstreamErrorKind::Unreachable);
 
         let answer = upstream_failure(error.kind(), shared);

@@ -10,7 +10,9 @@
 //! - [`config`]: the TOML file, overrides and validation.
 //! - [`forward`]: the forwarder to the upstream: targets, header rules, upstream failures.
 //! - [`pool`]: the keep-alive connections to the upstream.
-//! - [`client`]: HTTP/1.1 on one upstream connection: the request out, the response in.
+//! - [`http1`]: the gateway's own HTTP/1.1, one codec for both directions: the loop that
+//!   serves plain requests from clients, and the client of an upstream connection
+//!   ([`http1::client`]).
 //! - [`server`]: the listeners, connection limits, graceful shutdown.
 //! - `watchdog`: closes client connections too slow to send a head, or idle too long.
 //! - [`admin`]: health, readiness, metrics and the record endpoints.
@@ -18,17 +20,14 @@
 //! - [`logging`]: the log lines on standard error, written in batches.
 
 pub mod admin;
-pub mod client;
 pub mod config;
 pub mod forward;
-mod headers;
-mod http1;
+pub mod http1;
 pub mod logging;
 pub mod metrics;
 pub mod pool;
 pub mod server;
 mod watchdog;
-mod wire;
 
 use idemgate::ErrorChain;
 use std::io::Write as _;

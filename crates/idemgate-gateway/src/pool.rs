@@ -4,7 +4,7 @@
 //! time and driven by that request's task. A request takes an idle connection (the most
 //! recently used one the upstream has not closed) or opens one; the connection comes back to
 //! the pool when its response body has been read to the end (see
-//! [`super::client::BodyReader`]). A response dropped before its end takes its connection
+//! [`super::http1::client::BodyReader`]). A response dropped before its end takes its connection
 //! with it: HTTP/1.1 cannot reuse a connection with a response half-read.
 //!
 //! The pool holds at most [`MAX_IDLE`] idle connections; an idle connection is closed at the
@@ -22,7 +22,7 @@ use http::header::HeaderValue;
 use http::uri::Authority;
 use tokio::net::TcpStream;
 
-use super::client::Connection;
+use super::http1::client::Connection;
 
 /// Most idle connections kept; more are closed as they come back.
 pub const MAX_IDLE: usize = 512;
@@ -210,8 +210,8 @@ mod tests {
     use hyper_util::rt::TokioIo;
 
     use super::*;
-    use crate::client::tests::{STALL, soon};
-    use crate::client::{BodyReader, OwnFields};
+    use crate::http1::client::tests::{STALL, soon};
+    use crate::http1::client::{BodyReader, OwnFields};
 
     async fn upstream() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

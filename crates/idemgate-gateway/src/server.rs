@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::io;
+use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -24,7 +25,9 @@ use tower_service::Service;
 use super::admin::{self, AdminState};
 use super::config::{Limits, Settings, StoreSpec};
 use super::forward::Forwarder;
-use super::http1::{self, WholeBody};
+use super::http1::codec::{chunked_alone, list_elements};
+use super::http1::limits::RequestHeadLimits;
+use super::http1::server::{self as own_loop, End, Prefixed, WholeBody};
 use super::metrics::{InstrumentedStore, Metrics, UnroutedReason};
 use super::watchdog::{Activity, ActivityIo, ClientStream, InFlight, Verdict, Watchdog};
 use idemgate::IdempotencyLayer;
@@ -297,13 +300,8 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunEr
         .map_err(|source| RunError::Bind { what, addr, source })
 }
 
-/// How far above the configured header limits hyper's own are set (see [`Front`]); a
-/// `max_headers` under hyper's default leaves hyper at that default instead.
-const HYPER_LIMITS_FACTOR: usize = 2;
-/// The header fields hyper accepts when no limit is set.
-const HYPER_DEFAULT_MAX_HEADERS: usize = 100;
-
 fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
+    let head = RequestHeadLimits::new(limits);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -312,7 +310,7 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         .header_read_timeout(None)
         // hyper's own limits sit above the configured ones, which the front service checks
         // and answers with a problem response; only a request past hyper's gets its bare 431.
-        .max_buf_size(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
+        .max_buf_size(head.hyper_max_buf_size())
         // Head and body in one buffer, written with one plain write: for the small answers
         // a gateway mostly carries, copying the body costs less than queueing it for a
         // vectored write (about 600 instructions per request less, by callgrind).
@@ -323,28 +321,20 @@ fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
         // connection task looks for the hang-up itself (`serve_connection`).
         .half_close(true)
         .keep_alive(true);
-    // hyper parses a head into room for its default number of fields on the stack; any limit
-    // set explicitly costs a fill (and past that number an allocation) per request, so one
-    // is set only when the configured limit needs more room.
-    if limits.max_headers >= HYPER_DEFAULT_MAX_HEADERS {
-        builder
-            .http1()
-            .max_headers(limits.max_headers.saturating_mul(HYPER_LIMITS_FACTOR));
+    if let Some(max_headers) = head.hyper_max_headers() {
+        builder.http1().max_headers(max_headers);
     }
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(
-            u32::try_from(limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR))
-                .unwrap_or(u32::MAX),
-        )
+        .max_header_list_size(head.hyper_h2_max_header_list_size())
         .keep_alive_interval(limits.idle_timeout / 2)
         .keep_alive_timeout(limits.header_read_timeout);
     builder
 }
 
 /// A client connection's service: it takes requests whose bodies hyper reads, and requests
-/// that arrived whole through the gateway's own HTTP/1.1 loop (see `http1`).
+/// that arrived whole through the gateway's own HTTP/1.1 loop (see `http1::server`).
 trait ConnectionService<B>: Service<Request<Incoming>, Response = Response<B>, Error = Infallible, Future: Send + 'static>
     + Service<Request<WholeBody>, Response = Response<B>, Error = Infallible, Future: Send + 'static>
     + Clone
@@ -433,12 +423,15 @@ struct FrontConfig {
 
 /// hyper serving a client connection the gateway's own loop handed over.
 type HyperConnection<'a, S> =
-    Pin<Box<auto::Connection<'a, TokioIo<http1::Prefixed>, Front<S>, TokioExecutor>>>;
+    Pin<Box<auto::Connection<'a, TokioIo<Prefixed>, Front<S>, TokioExecutor>>>;
+
+/// Why a client connection ended with an error: hyper's, or its I/O's.
+type ConnectionError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Serves one client connection: plain HTTP/1.1 requests through the gateway's own loop
-/// (`http1`), the rest of the connection through hyper from the first request that is not
-/// plain (HTTP/2 included); under the watchdog, the stop signal, and the look for a client's
-/// hang-up.
+/// (`http1::server`), the rest of the connection through hyper from the first request that
+/// is not plain (HTTP/2 included); under the watchdog, the stop signal, and the look for a
+/// client's hang-up.
 async fn serve_connection<S, B>(
     stream: TcpStream,
     front: Front<S>,
@@ -457,60 +450,50 @@ async fn serve_connection<S, B>(
     // A graceful close of the gateway's own loop: it ends between requests.
     let own_closing = AtomicBool::new(false);
     let own_front = front.clone();
-    let own = http1::serve(
+    let own = own_loop::serve(
         io,
         &own_closing,
-        limits.max_header_bytes.saturating_mul(HYPER_LIMITS_FACTOR),
+        RequestHeadLimits::new(&limits).own_max_head(),
         move |req| hyper::service::Service::call(&own_front, req),
     );
     tokio::pin!(own);
-    // hyper's connection, once the own loop has handed the connection over.
-    let mut conn: Option<HyperConnection<'_, S>> = None;
-    // Moved to hyper at the hand-over, which happens at most once (the own loop has ended).
-    let mut front = Some(front);
-    // A graceful close, of whichever of the two serves the connection.
-    let close_gracefully = |conn: &mut Option<HyperConnection<'_, S>>| match conn {
-        Some(conn) => conn.as_mut().graceful_shutdown(),
-        None => own_closing.store(true, Ordering::Relaxed),
+    let mut serving = Serving {
+        own,
+        own_closing: &own_closing,
+        hyper: None,
+        front: Some(front),
+        builder,
+        closing: false,
+        body: PhantomData,
     };
     // The stop signal and the watchdog are registered with the task once; after that each
     // wake-up of the connection (nearly all of them I/O) only looks at two flags instead of
     // polling both.
     let probe = stop.clone();
-    let mut closing = *stop.borrow_and_update();
-    if closing {
-        own_closing.store(true, Ordering::Relaxed);
+    if *stop.borrow_and_update() {
+        serving.close_gracefully();
     }
-    let stopped = stop.changed();
-    tokio::pin!(stopped);
-    let mut stop_registered = false;
+    let changed = stop.changed();
+    tokio::pin!(changed);
+    let mut stop = StopSignal {
+        probe,
+        changed,
+        registered: false,
+    };
     // The watchdog looks at the connection a few times per limit instead of every read and
     // write reading the clock or setting a timer.
     let opened = Instant::now();
-    let (mut watchdog, first_look) = Watchdog::new(limits, opened);
+    let (watchdog, first_look) = Watchdog::new(limits, opened);
     let check = tokio::time::sleep_until(tokio::time::Instant::from_std(opened) + first_look);
     tokio::pin!(check);
-    let mut check_registered = false;
+    let mut looks = WatchdogLooks {
+        watchdog,
+        check,
+        registered: false,
+    };
     let result = std::future::poll_fn(|cx| {
         loop {
-            let done = match &mut conn {
-                Some(conn) => Pin::as_mut(conn).poll(cx),
-                None => match own.as_mut().poll(cx) {
-                    Poll::Ready(http1::End::Closed) => Poll::Ready(Ok(())),
-                    Poll::Ready(http1::End::Handover(io)) => {
-                        let Some(front) = front.take() else {
-                            return Poll::Ready(Ok(()));
-                        };
-                        conn = Some(Box::pin(builder.serve_connection(TokioIo::new(io), front)));
-                        if closing {
-                            close_gracefully(&mut conn);
-                        }
-                        continue;
-                    }
-                    Poll::Pending => Poll::Pending,
-                },
-            };
-            if let Poll::Ready(result) = done {
+            if let Poll::Ready(result) = serving.poll(cx) {
                 return Poll::Ready(result);
             }
             // A client that hangs up on its HTTP/1.1 request ends the connection, which drops
@@ -525,50 +508,17 @@ async fn serve_connection<S, B>(
                 tracing::debug!("client hung up with a request in progress");
                 return Poll::Ready(Ok(()));
             }
-            // Polled once, the signal wakes this task when it changes.
-            let stop_now = !closing
-                && if stop_registered {
-                    probe.has_changed().unwrap_or(true)
-                } else {
-                    stop_registered = true;
-                    // Outside the task's cooperative budget: a poll refused for want of budget
-                    // would register nothing, and this loop does not poll it again.
-                    Pin::new(&mut tokio::task::unconstrained(stopped.as_mut()))
-                        .poll(cx)
-                        .is_ready()
-                };
-            if stop_now {
-                close_gracefully(&mut conn);
-                closing = true;
+            if !serving.closing && stop.poll_stopped(cx) {
+                serving.close_gracefully();
                 continue;
             }
-            // Polled once per deadline, the timer wakes this task when it fires.
-            if check_registered && !check.is_elapsed() {
-                return Poll::Pending;
-            }
-            check_registered = true;
-            if Pin::new(&mut tokio::task::unconstrained(check.as_mut()))
-                .poll(cx)
-                .is_pending()
-            {
-                return Poll::Pending;
-            }
-            let now = Instant::now();
-            let verdict = watchdog.look(&activity, now);
-            match verdict {
-                Verdict::LookIn(wait) | Verdict::Close(wait) => {
-                    // An HTTP/1.1 request in progress still gets its response first, as
-                    // long as it keeps moving: the watchdog goes on looking.
-                    if matches!(verdict, Verdict::Close(_)) && !closing {
-                        close_gracefully(&mut conn);
-                        closing = true;
-                    }
-                    check
-                        .as_mut()
-                        .reset(tokio::time::Instant::from_std(now) + wait);
-                    check_registered = false;
-                }
-                Verdict::Cut => {
+            match looks.poll_look(cx, &activity) {
+                None => return Poll::Pending,
+                // An HTTP/1.1 request in progress still gets its response first, as long as
+                // it keeps moving: the watchdog goes on looking.
+                Some(Verdict::Close(_)) => serving.close_gracefully(),
+                Some(Verdict::LookIn(_)) => {}
+                Some(Verdict::Cut) => {
                     tracing::debug!(
                         "connection cut: no request head in time, or no bytes moving after a close"
                     );
@@ -579,18 +529,140 @@ async fn serve_connection<S, B>(
     })
     .await;
     if let Err(error) = result {
-        // hyper has answered a request it could not parse, or one past its own limits, by
-        // itself: no route saw it, so it is counted here.
-        if let Some(error) = error.downcast_ref::<hyper::Error>()
-            && error.is_parse()
-        {
-            metrics.count_unrouted_request(if error.is_parse_too_large() {
-                UnroutedReason::TooLarge
-            } else {
-                UnroutedReason::Malformed
-            });
-        }
+        count_unrouted(&metrics, &error);
         tracing::debug!(error = %error, "client connection ended with an error");
+    }
+}
+
+/// Whichever of the two serves a client connection: the gateway's own loop, then hyper once
+/// the loop has handed the connection over (at most once).
+struct Serving<'a, S, B, F>
+where
+    S: ConnectionService<B>,
+    B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    own: Pin<&'a mut F>,
+    /// Set to end the own loop between requests.
+    own_closing: &'a AtomicBool,
+    hyper: Option<HyperConnection<'a, S>>,
+    /// Moved to hyper at the hand-over.
+    front: Option<Front<S>>,
+    builder: &'a auto::Builder<TokioExecutor>,
+    /// The connection is closing gracefully.
+    closing: bool,
+    body: PhantomData<fn() -> B>,
+}
+
+impl<S, B, F> Serving<'_, S, B, F>
+where
+    S: ConnectionService<B>,
+    B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Future<Output = End>,
+{
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectionError>> {
+        loop {
+            if let Some(conn) = &mut self.hyper {
+                return conn.as_mut().poll(cx);
+            }
+            match std::task::ready!(self.own.as_mut().poll(cx)) {
+                End::Closed => return Poll::Ready(Ok(())),
+                End::Handover(io) => {
+                    let Some(front) = self.front.take() else {
+                        return Poll::Ready(Ok(()));
+                    };
+                    let mut conn = Box::pin(self.builder.serve_connection(TokioIo::new(io), front));
+                    if self.closing {
+                        conn.as_mut().graceful_shutdown();
+                    }
+                    self.hyper = Some(conn);
+                }
+            }
+        }
+    }
+
+    /// Closes the connection gracefully, once: the own loop between requests, hyper as it
+    /// does.
+    fn close_gracefully(&mut self) {
+        if std::mem::replace(&mut self.closing, true) {
+            return;
+        }
+        match &mut self.hyper {
+            Some(conn) => conn.as_mut().graceful_shutdown(),
+            None => self.own_closing.store(true, Ordering::Relaxed),
+        }
+    }
+}
+
+/// The gateway's stop signal, as one connection looks at it.
+struct StopSignal<'a, F> {
+    /// Answers whether the signal changed without polling it.
+    probe: watch::Receiver<bool>,
+    changed: Pin<&'a mut F>,
+    /// `changed` was polled once: the task is woken when the signal changes.
+    registered: bool,
+}
+
+impl<F: Future> StopSignal<'_, F> {
+    fn poll_stopped(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.registered {
+            return self.probe.has_changed().unwrap_or(true);
+        }
+        self.registered = true;
+        // Outside the task's cooperative budget: a poll refused for want of budget would
+        // register nothing, and the connection's loop does not poll it again.
+        Pin::new(&mut tokio::task::unconstrained(self.changed.as_mut()))
+            .poll(cx)
+            .is_ready()
+    }
+}
+
+/// The watchdog's looks at one connection, each at a timer's deadline.
+struct WatchdogLooks<'a> {
+    watchdog: Watchdog,
+    check: Pin<&'a mut tokio::time::Sleep>,
+    /// `check` was polled for its deadline: the task is woken when it fires.
+    registered: bool,
+}
+
+impl WatchdogLooks<'_> {
+    /// The watchdog's verdict once the timer has fired (the timer then set for the next
+    /// look), `None` before.
+    fn poll_look(&mut self, cx: &mut Context<'_>, activity: &Activity) -> Option<Verdict> {
+        if self.registered && !self.check.is_elapsed() {
+            return None;
+        }
+        self.registered = true;
+        if Pin::new(&mut tokio::task::unconstrained(self.check.as_mut()))
+            .poll(cx)
+            .is_pending()
+        {
+            return None;
+        }
+        let now = Instant::now();
+        let verdict = self.watchdog.look(activity, now);
+        if let Verdict::LookIn(wait) | Verdict::Close(wait) = verdict {
+            self.check
+                .as_mut()
+                .reset(tokio::time::Instant::from_std(now) + wait);
+            self.registered = false;
+        }
+        Some(verdict)
+    }
+}
+
+/// Counts a request hyper has answered by itself, one it could not parse or one past its own
+/// limits: no route saw it.
+fn count_unrouted(metrics: &Metrics, error: &ConnectionError) {
+    if let Some(error) = error.downcast_ref::<hyper::Error>()
+        && error.is_parse()
+    {
+        metrics.count_unrouted_request(if error.is_parse_too_large() {
+            UnroutedReason::TooLarge
+        } else {
+            UnroutedReason::Malformed
+        });
     }
 }
 
@@ -631,10 +703,6 @@ impl<B> FrontBody for ResponseBody<B> {
 /// `431 headers-too-large` for a request with more header fields than `max_headers`, or a
 /// larger header block (request line and fields) than `max_header_bytes`.
 fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
-    let fields = req.headers().len();
-    if fields > limits.max_headers {
-        return Some(Problem::too_many_headers(fields, limits.max_headers));
-    }
     // As sent: `METHOD TARGET HTTP/1.1\r\n`, and `NAME: VALUE\r\n` per field.
     let uri = req.uri();
     let origin = uri.authority().map_or(0, |authority| {
@@ -645,8 +713,7 @@ fn over_header_limits<B>(req: &Request<B>, limits: &Limits) -> Option<Problem> {
     let block = req.headers().iter().fold(line, |sum, (name, value)| {
         sum + name.as_str().len() + value.len() + 4
     });
-    (block > limits.max_header_bytes)
-        .then(|| Problem::header_block_too_large(block, limits.max_header_bytes))
+    RequestHeadLimits::new(limits).refuse(req.headers().len(), block)
 }
 
 /// Why the front service answers `req` itself, forwarding nothing, if it does: header fields
@@ -768,10 +835,9 @@ fn drop_underscored_fields(headers: &mut http::HeaderMap) {
 /// `chunked` alone (RFC 9112 §6.1). The HTTP layer takes the chunked framing off; a coding
 /// under it (`gzip, chunked`) would be left on the body, and the body forwarded as if plain.
 fn unsupported_transfer_coding<B>(req: &Request<B>) -> Option<Problem> {
-    let mut codings =
-        crate::headers::list_elements(req.headers(), &http::header::TRANSFER_ENCODING);
+    let mut codings = list_elements(req.headers(), &http::header::TRANSFER_ENCODING);
     codings.next()?;
-    (!crate::headers::chunked_alone(req.headers())).then(Problem::unsupported_transfer_coding)
+    (!chunked_alone(req.headers())).then(Problem::unsupported_transfer_coding)
 }
 
 impl<S, B, RB> hyper::service::Service<Request<RB>> for Front<S>

@@ -1,9 +1,9 @@
 //! The proxy's own HTTP/1.1 loop for plain requests, in front of hyper for everything else.
 //!
 //! A client connection starts here. A request is served here when it is plain: its head
-//! parses, comes from an HTTP/1.1 client and fits [`MAX_FIELDS`] fields and the head limit;
-//! its method is not `HEAD` or `CONNECT` and its target is a path; its body, framed by a
-//! single `Content-Length` (or absent) and at most [`MAX_BODY`] bytes, has already arrived
+//! parses, comes from an HTTP/1.1 client and fits [`OWN_MAX_FIELDS`] fields and the head
+//! limit; its method is not `HEAD` or `CONNECT` and its target is a path; its body, framed by a
+//! single `Content-Length` (or absent) and at most [`OWN_MAX_BODY`] bytes, has already arrived
 //! with it; and it has no field that changes how the connection carries it
 //! (`Transfer-Encoding`, `Expect`, `Upgrade`, or a `Connection` other than `keep-alive`). It
 //! goes to the front service as an [`http::Request`] like the one hyper would have made, and
@@ -15,10 +15,9 @@
 //! answer it gave before: to malformed requests, requests past its limits, `100 Continue`,
 //! chunked and slow request bodies, `HEAD`, HTTP/1.0 and h2c.
 //!
-//! Why: hyper's server side spends about 10 000 instructions on each request (callgrind, the
-//! bare benchmark upstream); most of a replay's time outside the layer. This loop does the
-//! same work for the plain requests that are nearly all of a gateway's traffic in fewer (see
-//! BENCHMARKS.md).
+//! Why: hyper's server side costs more per request than the rest of a replay outside the
+//! layer; this loop does the same work for the plain requests that are nearly all of a
+//! gateway's traffic in fewer instructions (see BENCHMARKS.md).
 //!
 //! Responses: the status line, the response's fields (its own `Content-Length` and
 //! `Transfer-Encoding` are replaced by the framing written here), `date` when the response
@@ -37,32 +36,24 @@ use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
+use http::header::{CONNECTION, CONTENT_LENGTH, DATE};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use http_body_util::Full;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use super::watchdog::ActivityIo;
-use super::wire::{encode_field, push_chunk_size, push_number};
-
-/// Most fields in a request head served here; a head with more goes to hyper.
-const MAX_FIELDS: usize = 64;
-/// Largest request head served here (within the proxy's own head limit); a longer one goes
-/// to hyper, which applies the limits.
-const MAX_HEAD: usize = 16 * 1024;
-/// Largest request body served here. It must have arrived with its head.
-const MAX_BODY: usize = 64 * 1024;
-/// Room made in the read buffer before each read.
-const READ_CHUNK: usize = 8 * 1024;
-/// A response whose head and body together fit this is written in one write.
-const ONE_WRITE: usize = 16 * 1024;
+use super::codec::{
+    Framing, ONE_WRITE, Span, asks_to_close, content_length, poll_read_more, write_content_length,
+    write_fields, write_status_line,
+};
+use super::limits::{OWN_MAX_BODY, OWN_MAX_FIELDS};
+use crate::watchdog::ActivityIo;
 
 /// The body of a request served here: it arrived whole with its head.
-pub(super) type WholeBody = Full<Bytes>;
+pub(crate) type WholeBody = Full<Bytes>;
 
 /// How the loop ended.
-pub(super) enum End {
+pub(crate) enum End {
     /// The connection is done: the client closed it or reset it, a write failed, a response
     /// asked to close it, or the connection was closing and is between requests.
     Closed,
@@ -74,8 +65,8 @@ pub(super) enum End {
 /// Serves plain requests on `io` through `call` until the connection ends or a request
 /// that is not plain arrives. `closing` set (a graceful close) ends the loop between
 /// requests; a request in progress gets its response first. `head_limit` caps the head read
-/// here (hyper's own limit, so a longer head still gets hyper's answer).
-pub(super) async fn serve<C, F, B>(
+/// here (see [`super::limits::RequestHeadLimits::own_max_head`]).
+pub(crate) async fn serve<C, F, B>(
     mut io: ActivityIo,
     closing: &AtomicBool,
     head_limit: usize,
@@ -86,7 +77,6 @@ where
     F: Future<Output = Result<Response<B>, Infallible>>,
     B: Body<Data = Bytes>,
 {
-    let head_limit = head_limit.min(MAX_HEAD);
     let mut read = BytesMut::new();
     let mut out = Vec::new();
     let mut spans = Vec::new();
@@ -116,12 +106,11 @@ where
 /// Reads what the client sent into `read`: `false` when it closed or reset the connection,
 /// or when the connection is closing.
 async fn fill(io: &mut ActivityIo, read: &mut BytesMut, closing: &AtomicBool) -> bool {
-    read.reserve(READ_CHUNK);
     std::future::poll_fn(|cx| {
         if closing.load(Ordering::Relaxed) {
             return Poll::Ready(false);
         }
-        match tokio_util::io::poll_read_buf(Pin::new(&mut *io), cx, read) {
+        match poll_read_more(io, cx, read) {
             Poll::Ready(Ok(n)) => Poll::Ready(n > 0),
             Poll::Ready(Err(_)) => Poll::Ready(false),
             Poll::Pending => Poll::Pending,
@@ -139,33 +128,13 @@ struct NotPlain;
 /// (`Ok(None)`: part of a head that may still become a plain request), or [`NotPlain`].
 type Parsed = Result<Option<Request<WholeBody>>, NotPlain>;
 
-/// Where a part of the head lies in the read buffer.
-#[derive(Clone, Copy, Debug)]
-struct Span {
-    start: usize,
-    len: usize,
-}
-
-impl Span {
-    fn of(part: &[u8], buffer: &[u8]) -> Self {
-        Self {
-            start: part.as_ptr() as usize - buffer.as_ptr() as usize,
-            len: part.len(),
-        }
-    }
-
-    fn range(self) -> std::ops::Range<usize> {
-        self.start..self.start + self.len
-    }
-}
-
 /// Takes a plain request out of the front of `read`, if one is there (see the module's
 /// documentation). `spans` is room for where the fields lie, kept between requests.
 fn parse(read: &mut BytesMut, head_limit: usize, spans: &mut Vec<(Span, Span)>) -> Parsed {
     if read.is_empty() {
         return Ok(None);
     }
-    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; OWN_MAX_FIELDS];
     let mut head = httparse::Request::new(&mut []);
     let head_len = match head.parse_with_uninit_headers(read, &mut fields) {
         Ok(httparse::Status::Complete(len)) if len <= head_limit => len,
@@ -188,7 +157,7 @@ fn parse(read: &mut BytesMut, head_limit: usize, spans: &mut Vec<(Span, Span)>) 
         let name = field.name.as_bytes();
         if name.eq_ignore_ascii_case(b"content-length") {
             match (body_len, content_length(field.value)) {
-                (None, Some(len)) if len <= MAX_BODY => body_len = Some(len),
+                (None, Some(len)) if len <= OWN_MAX_BODY as u64 => body_len = Some(len as usize),
                 _ => return Err(NotPlain),
             }
         } else if name.eq_ignore_ascii_case(b"connection") {
@@ -225,18 +194,6 @@ fn parse(read: &mut BytesMut, head_limit: usize, spans: &mut Vec<(Span, Span)>) 
     }
 }
 
-/// The value of a `Content-Length` field: decimal digits only.
-fn content_length(value: &[u8]) -> Option<usize> {
-    if value.is_empty() || value.len() > 18 || !value.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(
-        value
-            .iter()
-            .fold(0, |len, digit| len * 10 + usize::from(digit - b'0')),
-    )
-}
-
 /// The request whose head is `head` (the parts found by [`parse`]) and whose body is `body`.
 fn request(
     head: &Bytes,
@@ -258,17 +215,6 @@ fn request(
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
     Some(request)
-}
-
-/// How a response's body is framed on the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Framing {
-    /// No body: `1xx`, `204`, `304`.
-    None,
-    /// `Content-Length`: this many bytes.
-    Length(u64),
-    /// `Transfer-Encoding: chunked`.
-    Chunked,
 }
 
 /// Writes `response`; `Ok(true)` if the connection can carry another request. `closing`
@@ -321,7 +267,7 @@ where
             return Err(io::Error::other("the response body ran past its length"));
         }
         if framing == Framing::Chunked {
-            push_chunk_size(data.len(), out);
+            framing.write_data_start(data.len(), out);
         } else {
             left -= data.len() as u64;
         }
@@ -334,13 +280,9 @@ where
             }
             io.write_all(&data).await?;
         }
-        if framing == Framing::Chunked {
-            out.extend_from_slice(b"\r\n");
-        }
+        framing.write_data_end(out);
     }
-    if framing == Framing::Chunked {
-        out.extend_from_slice(b"0\r\n\r\n");
-    }
+    framing.write_end(out);
     if !out.is_empty() {
         io.write_all(out).await?;
     }
@@ -366,24 +308,20 @@ fn head<B: Body>(
     body: &B,
     closing: bool,
 ) -> (Framing, bool) {
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
+    write_status_line(status, out);
     // The fields this head looks at, noted in the one pass that writes the others.
     let (mut date, mut connection) = (false, false);
     let mut lengths = (None, 0);
-    for (name, value) in headers {
+    write_fields(headers, out, |name, value| {
         if name == CONTENT_LENGTH {
             lengths = (Some(value), lengths.1 + 1);
-        } else if name != TRANSFER_ENCODING {
-            date |= name == DATE;
-            connection |= name == CONNECTION;
-            encode_field(name, value, out);
+            return false;
         }
-    }
-    let asks_to_close = connection && crate::headers::asks_to_close(headers);
+        date |= name == DATE;
+        connection |= name == CONNECTION;
+        true
+    });
+    let asks_to_close = connection && asks_to_close(headers);
     let keep_alive = !closing && !asks_to_close;
     if !date {
         out.extend_from_slice(b"date: ");
@@ -395,7 +333,7 @@ fn head<B: Body>(
     }
     // The response's own `Content-Length`, when it has exactly one and it is a number.
     let declared = match lengths {
-        (Some(value), 1) => content_length(value.as_bytes()).map(|len| len as u64),
+        (Some(value), 1) => content_length(value.as_bytes()),
         _ => None,
     };
     let framing = if status.is_informational()
@@ -404,15 +342,15 @@ fn head<B: Body>(
     {
         // A 304 keeps the length of what it stands for; it is sent, and no body.
         if let (StatusCode::NOT_MODIFIED, Some(len)) = (status, declared) {
-            append_length(out, len);
+            write_content_length(len, out);
         }
         Framing::None
-    } else if let Some(len) = declared.or_else(|| body.size_hint().exact()) {
-        append_length(out, len);
-        Framing::Length(len)
     } else {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-        Framing::Chunked
+        let framing = declared
+            .or_else(|| body.size_hint().exact())
+            .map_or(Framing::Chunked, Framing::Length);
+        framing.write_field(out);
+        framing
     };
     out.extend_from_slice(b"\r\n");
     (framing, keep_alive)
@@ -437,15 +375,9 @@ fn append_date(out: &mut Vec<u8>) {
     });
 }
 
-fn append_length(out: &mut Vec<u8>, len: u64) {
-    out.extend_from_slice(b"content-length: ");
-    push_number(len, 10, out);
-    out.extend_from_slice(b"\r\n");
-}
-
 /// A client stream with bytes already read from it in front: what hyper reads first when it
 /// takes a connection over.
-pub(super) struct Prefixed {
+pub(crate) struct Prefixed {
     read: BytesMut,
     io: ActivityIo,
 }
@@ -499,6 +431,7 @@ impl AsyncWrite for Prefixed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http1::limits::OWN_MAX_HEAD;
 
     fn buffer(bytes: &[u8]) -> BytesMut {
         BytesMut::from(bytes)
@@ -506,7 +439,7 @@ mod tests {
 
     fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
         let mut read = buffer(bytes);
-        let parsed = parse(&mut read, MAX_HEAD, &mut Vec::new());
+        let parsed = parse(&mut read, OWN_MAX_HEAD, &mut Vec::new());
         (parsed, read)
     }
 
@@ -550,9 +483,11 @@ mod tests {
 
     #[test]
     fn anything_but_a_plain_request_goes_to_hyper_with_the_bytes_untouched() {
-        let many_fields: String = (0..=MAX_FIELDS).map(|i| format!("X-F{i}: v\r\n")).collect();
+        let many_fields: String = (0..=OWN_MAX_FIELDS)
+            .map(|i| format!("X-F{i}: v\r\n"))
+            .collect();
         let many_fields = format!("GET / HTTP/1.1\r\n{many_fields}\r\n");
-        let long_head = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(MAX_HEAD));
+        let long_head = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(OWN_MAX_HEAD));
         let cases: [&[u8]; 16] = [
             b"POST /v1 HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             b"POST /v1 HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n",
@@ -701,7 +636,7 @@ mod tests {
         /// `Some(length)` for a request this loop may serve (no transfer coding, at most one
         /// `Content-Length` of digits only), `None` for one it must not.
         fn reference(bytes: &[u8]) -> Option<(String, String, usize, usize)> {
-            let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+            let mut fields = [httparse::EMPTY_HEADER; OWN_MAX_FIELDS];
             let mut head = httparse::Request::new(&mut fields);
             let httparse::Status::Complete(len) = head.parse(bytes).ok()? else {
                 return None;
@@ -803,7 +738,7 @@ mod tests {
                         }
                         Ok(None) => {
                             prop_assert!(matches!(
-                                httparse::Request::new(&mut [httparse::EMPTY_HEADER; MAX_FIELDS]).parse(bytes),
+                                httparse::Request::new(&mut [httparse::EMPTY_HEADER; OWN_MAX_FIELDS]).parse(bytes),
                                 Ok(httparse::Status::Partial)
                             ));
                             prop_assert_eq!(&rest[..], bytes);

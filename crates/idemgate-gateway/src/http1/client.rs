@@ -8,9 +8,10 @@
 //! if the response allows it.
 //!
 //! Parsing is strict: anything this module does not understand for certain (a malformed head
-//! or chunk, conflicting lengths, a transfer coding other than `chunked` alone, more than
-//! [`MAX_HEADERS`] fields, a head over [`MAX_HEAD_BYTES`]) is an error, and the connection is closed rather than reused. Interim
-//! `1xx` responses are skipped. Chunked trailers are read and dropped.
+//! or chunk, conflicting lengths, a transfer coding other than `chunked` alone, more than 128
+//! fields, a head over 64 KiB: the limits are the `http1::limits` module's) is an error, and
+//! the connection is closed rather than reused. Interim `1xx` responses are skipped. Chunked
+//! trailers are read and dropped.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -23,22 +24,16 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, HeaderName, HeaderValue, TRANSFER_ENCODING};
 use http::{HeaderMap, Method, StatusCode, Version, request};
 use http_body::Body;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
-use super::wire::{encode_field, push_chunk_size, push_number};
-
-/// Most header fields in a response head.
-pub const MAX_HEADERS: usize = 128;
-/// Largest response head (status line and fields).
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Room made in the read buffer before each read.
-const READ_CHUNK: usize = 8 * 1024;
-/// Request bodies up to this size are written in one piece with the head.
-const COALESCE_BODY: usize = 16 * 1024;
-/// Longest chunk-size line (size, extensions and CRLF) accepted.
-const MAX_CHUNK_LINE: usize = 4 * 1024;
+use super::chunked::{CHUNK_END, ChunkedDecoder, Decoded, LAST_CHUNK};
+use super::codec::{
+    Framing, Malformed, ONE_WRITE, Span, asks_to_close, chunked_alone, content_length_of,
+    poll_read_more, write_fields, write_request_line,
+};
+use super::limits::{MAX_RESPONSE_FIELDS, MAX_RESPONSE_HEAD};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -60,6 +55,12 @@ pub enum ClientError {
     /// The upstream sent nothing more of its response body for this long.
     #[error("the upstream sent nothing more of its response for {} ms", .0.as_millis())]
     Stalled(Duration),
+}
+
+impl From<Malformed> for ClientError {
+    fn from(Malformed(what): Malformed) -> Self {
+        ClientError::Malformed(what)
+    }
 }
 
 /// Why [`Connection::send`] gave no response head.
@@ -93,19 +94,6 @@ pub struct ResponseHead {
     unsent: Option<BodyWriter>,
 }
 
-/// How a response body is delimited.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Framing {
-    /// No body (`HEAD`, `204`, `304`).
-    Empty,
-    /// `Content-Length`.
-    Length(u64),
-    /// `Transfer-Encoding: chunked`.
-    Chunked,
-    /// Until the upstream closes the connection.
-    UntilClose,
-}
-
 /// One keep-alive HTTP/1.1 connection to the upstream. Held boxed everywhere (the pool, the
 /// exchange, the body reader): it goes from one to the next with every request, and each
 /// response the proxy relays carries it, so moving it is moving a pointer, not 120 bytes.
@@ -115,7 +103,7 @@ pub struct Connection {
     /// Bytes read and not yet used: the rest of a head or a body.
     read: BytesMut,
     /// Where each field of the head being parsed lies (kept to save an allocation per head).
-    spans: Vec<(HeaderName, usize, usize)>,
+    spans: Vec<(HeaderName, Span)>,
     /// The request head being written (kept, like `spans`).
     out: Vec<u8>,
     /// The deadline of the request in progress. Kept from request to request: moving a
@@ -188,6 +176,9 @@ impl Connection {
         answer
     }
 
+    /// The request out and the response head in: the request's framing and its first frame
+    /// checked, the head written (with that frame when it is small), then the response head
+    /// read, while the rest of the body is written if there is any.
     async fn exchange<B>(
         &mut self,
         head: &request::Parts,
@@ -199,33 +190,42 @@ impl Connection {
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
     {
-        let length = request_length(head, body, first.as_ref());
-        // A small first frame goes out with the head: one write for the common request.
-        let mut ended = false;
-        if first.is_none() {
-            match next_data_now(body).map_err(SendError::BodyBeforeSent)? {
-                Ready::Data(data) => *first = Some(data),
-                Ready::End => ended = true,
-                Ready::NotYet => {}
-            }
-        }
-        // Also when the first frame was taken by an earlier attempt on a connection that
-        // turned out unusable.
-        let ended = ended || body.is_end_stream();
+        let (framing, ended) = take_first_frame(head, body, first)?;
+        let coalesced = self.write_head(head, own, framing, first.as_ref()).await?;
+        // From here on the request is the upstream's: nothing of it can be sent again.
         let taken = first.as_ref().map_or(0, |data| data.len() as u64);
-        if taken > length.most() {
-            return Err(SendError::BodyBeforeSent(LONGER_THAN_DECLARED.into()));
+        let pending = first.take().filter(|_| !coalesced);
+        if ended && pending.is_none() && framing != Framing::Chunked {
+            // The whole request is out: only the answer is left.
+            return read_head(&mut self.io, &mut self.read, &mut self.spans, &head.method)
+                .await
+                .map_err(SendError::NoResponse);
         }
-        if ended && matches!(length, BodyLength::Exact(n) if n != taken) {
-            return Err(SendError::BodyBeforeSent(SHORTER_THAN_DECLARED.into()));
+        let mut writer = BodyWriter::new(framing, if coalesced { taken } else { 0 });
+        if let Some(data) = pending {
+            writer.push(data).map_err(SendError::NoResponse)?;
         }
+        writer.ended = ended;
+        self.read_head_while_writing(writer, body, &head.method)
+            .await
+    }
+
+    /// Writes the request head for `framing`, with `first` after it when that is small:
+    /// whether `first` went out. A connection that fails before any of it is written is
+    /// [`SendError::Unused`], so the request may go on another one.
+    async fn write_head(
+        &mut self,
+        head: &request::Parts,
+        own: &OwnFields<'_>,
+        framing: Framing,
+        first: Option<&Bytes>,
+    ) -> Result<bool, SendError> {
         let out = &mut self.out;
         out.clear();
-        encode_head(head, own, length, out);
+        encode_head(head, own, framing, out);
         let coalesced = first
-            .as_ref()
-            .filter(|data| data.len() <= COALESCE_BODY)
-            .map(|data| encode_data(data, length, out))
+            .filter(|data| data.len() <= ONE_WRITE)
+            .map(|data| framing.encode_data(data, out))
             .is_some();
         let mut sent = 0;
         while sent < self.out.len() {
@@ -245,22 +245,24 @@ impl Connection {
                 SendError::NoResponse(ClientError::Io(error))
             });
         }
-        // From here on the request is the upstream's: nothing of it can be sent again.
-        let pending = first.take().filter(|_| !coalesced);
-        let written = if coalesced { taken } else { 0 };
-        if ended && pending.is_none() && length != BodyLength::Chunked {
-            // The whole request is out: only the answer is left.
-            return read_head(&mut self.io, &mut self.read, &mut self.spans, &head.method)
-                .await
-                .map_err(SendError::NoResponse);
-        }
-        let mut writer = BodyWriter::new(length, written);
-        if let Some(data) = pending {
-            writer.push(data).map_err(SendError::NoResponse)?;
-        }
-        writer.ended = ended;
+        Ok(coalesced)
+    }
+
+    /// Reads the response head while `writer` writes the rest of `body`. An upstream may
+    /// answer before it has the whole body: the answer stands, on a connection not used
+    /// again, with what was not written left in it for [`UnsentBody::take`].
+    async fn read_head_while_writing<B>(
+        &mut self,
+        mut writer: BodyWriter,
+        body: &mut B,
+        method: &Method,
+    ) -> Result<ResponseHead, SendError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
         let (mut reader, mut write_half) = self.io.split();
-        let read = read_head(&mut reader, &mut self.read, &mut self.spans, &head.method);
+        let read = read_head(&mut reader, &mut self.read, &mut self.spans, method);
         let mut read = std::pin::pin!(read);
         // `Some(true)`: all written; `Some(false)`: the socket failed, nothing more goes out.
         let mut written_all = None;
@@ -280,20 +282,16 @@ impl Connection {
             read.as_mut().poll(cx)
         })
         .await;
-        match answer {
-            Ok(mut answer) => {
-                if written_all != Some(true) {
-                    // Even once the rest is written, the upstream may not read it: the
-                    // connection is not used again.
-                    answer.keep_alive = false;
-                }
-                if written_all.is_none() {
-                    answer.unsent = Some(writer);
-                }
-                Ok(answer)
-            }
-            Err(error) => Err(SendError::NoResponse(error)),
+        let mut answer = answer.map_err(SendError::NoResponse)?;
+        if written_all != Some(true) {
+            // Even once the rest is written, the upstream may not read it: the connection
+            // is not used again.
+            answer.keep_alive = false;
         }
+        if written_all.is_none() {
+            answer.unsent = Some(writer);
+        }
+        Ok(answer)
     }
 
     /// Up to `left` bytes of body (reading more if none are buffered), taken off `left`.
@@ -312,12 +310,7 @@ impl Connection {
 
     /// Reads what the socket has into the buffer; the upstream closing is [`ClientError::Closed`].
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ClientError>> {
-        self.read.reserve(READ_CHUNK);
-        let n = ready!(tokio_util::io::poll_read_buf(
-            Pin::new(&mut self.io),
-            cx,
-            &mut self.read
-        ))?;
+        let n = ready!(poll_read_more(&mut self.io, cx, &mut self.read))?;
         if n == 0 {
             return Poll::Ready(Err(ClientError::Closed));
         }
@@ -336,46 +329,60 @@ fn set_for(timer: Option<Pin<Box<Sleep>>>, deadline: Instant) -> Pin<Box<Sleep>>
     }
 }
 
-/// How the request body is framed on the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum BodyLength {
-    /// No body and no length field (a `GET` without one).
-    None,
-    /// `Content-Length`.
-    Exact(u64),
-    /// `Transfer-Encoding: chunked`: the length is not known up front.
-    Chunked,
-}
-
-impl BodyLength {
-    /// The most body bytes this framing lets through.
-    fn most(self) -> u64 {
-        match self {
-            BodyLength::None => 0,
-            BodyLength::Exact(n) => n,
-            BodyLength::Chunked => u64::MAX,
-        }
-    }
-}
-
 /// What a body that yields more than its length said is refused with.
 const LONGER_THAN_DECLARED: &str = "the request body is longer than its declared length";
 const SHORTER_THAN_DECLARED: &str = "the request body is shorter than its declared length";
 
-fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes>) -> BodyLength {
+/// How the request body goes on the wire: with its length when the body knows it (counting
+/// `first`, a frame already taken from it), chunked otherwise.
+fn request_framing<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes>) -> Framing {
     let taken = first.map_or(0, |b| b.len() as u64);
     match body.size_hint().exact().map(|n| n.checked_add(taken)) {
         Some(Some(0)) => {
             // Methods that define a body say it is empty; the others send no length.
             if matches!(head.method, Method::POST | Method::PUT | Method::PATCH) {
-                BodyLength::Exact(0)
+                Framing::Length(0)
             } else {
-                BodyLength::None
+                Framing::None
             }
         }
-        Some(Some(n)) => BodyLength::Exact(n),
-        Some(None) | None => BodyLength::Chunked,
+        Some(Some(n)) => Framing::Length(n),
+        Some(None) | None => Framing::Chunked,
     }
+}
+
+/// The request's framing, and whether its body has ended, with its first frame in `first`
+/// when that is at hand without waiting (also when it was taken by an earlier attempt, on a
+/// connection that turned out unusable). A body that already says more or less than its
+/// length is refused before anything is sent.
+fn take_first_frame<B>(
+    head: &request::Parts,
+    body: &mut B,
+    first: &mut Option<Bytes>,
+) -> Result<(Framing, bool), SendError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let framing = request_framing(head, body, first.as_ref());
+    // A small first frame goes out with the head: one write for the common request.
+    let mut ended = false;
+    if first.is_none() {
+        match next_data_now(body).map_err(SendError::BodyBeforeSent)? {
+            Ready::Data(data) => *first = Some(data),
+            Ready::End => ended = true,
+            Ready::NotYet => {}
+        }
+    }
+    let ended = ended || body.is_end_stream();
+    let taken = first.as_ref().map_or(0, |data| data.len() as u64);
+    if taken > framing.most() {
+        return Err(SendError::BodyBeforeSent(LONGER_THAN_DECLARED.into()));
+    }
+    if ended && matches!(framing, Framing::Length(n) if n != taken) {
+        return Err(SendError::BodyBeforeSent(SHORTER_THAN_DECLARED.into()));
+    }
+    Ok((framing, ended))
 }
 
 /// Writes a request body after its head, as the socket takes it: each frame checked against
@@ -386,7 +393,7 @@ fn request_length<B: Body>(head: &request::Parts, body: &B, first: Option<&Bytes
 pub struct BodyWriter {
     /// Bytes framed and not yet written, front first: a chunk's size line, its data, its CRLF.
     queue: VecDeque<Bytes>,
-    length: BodyLength,
+    framing: Framing,
     /// Body bytes taken so far (framing not counted).
     taken: u64,
     /// The body has no more frames.
@@ -398,11 +405,11 @@ pub struct BodyWriter {
 }
 
 impl BodyWriter {
-    /// A writer for a body framed as `length`, of which `taken` bytes went out with the head.
-    fn new(length: BodyLength, taken: u64) -> Self {
+    /// A writer for a body framed as `framing`, of which `taken` bytes went out with the head.
+    fn new(framing: Framing, taken: u64) -> Self {
         Self {
             queue: VecDeque::new(),
-            length,
+            framing,
             taken,
             ended: false,
             closed: false,
@@ -413,15 +420,15 @@ impl BodyWriter {
     /// Queues one frame's data, framed; more than the declared length is an error.
     fn push(&mut self, data: Bytes) -> Result<(), ClientError> {
         self.taken = self.taken.saturating_add(data.len() as u64);
-        if self.taken > self.length.most() {
+        if self.taken > self.framing.most() {
             return Err(ClientError::RequestBody(LONGER_THAN_DECLARED.into()));
         }
-        if self.length == BodyLength::Chunked {
+        if self.framing == Framing::Chunked {
             let mut size = Vec::with_capacity(18);
-            push_chunk_size(data.len(), &mut size);
+            self.framing.write_data_start(data.len(), &mut size);
             self.queue.push_back(Bytes::from(size));
             self.queue.push_back(data);
-            self.queue.push_back(Bytes::from_static(b"\r\n"));
+            self.queue.push_back(Bytes::from_static(CHUNK_END));
         } else {
             self.queue.push_back(data);
         }
@@ -464,9 +471,9 @@ impl BodyWriter {
                 return Poll::Ready(Ok(()));
             }
             if self.ended {
-                match self.length {
-                    BodyLength::Chunked => self.queue.push_back(Bytes::from_static(b"0\r\n\r\n")),
-                    BodyLength::Exact(n) if self.taken != n => {
+                match self.framing {
+                    Framing::Chunked => self.queue.push_back(Bytes::from_static(LAST_CHUNK)),
+                    Framing::Length(n) if self.taken != n => {
                         return Poll::Ready(Err(ClientError::RequestBody(
                             SHORTER_THAN_DECLARED.into(),
                         )));
@@ -521,7 +528,7 @@ impl UnsentBody {
 async fn read_head<R>(
     io: &mut R,
     buf: &mut BytesMut,
-    spans: &mut Vec<(HeaderName, usize, usize)>,
+    spans: &mut Vec<(HeaderName, Span)>,
     method: &Method,
 ) -> Result<ResponseHead, ClientError>
 where
@@ -543,8 +550,7 @@ where
             }
             return Ok(head);
         }
-        buf.reserve(READ_CHUNK);
-        if io.read_buf(buf).await? == 0 {
+        if poll_fn(|cx| poll_read_more(io, cx, buf)).await? == 0 {
             return Err(ClientError::Closed);
         }
     }
@@ -561,48 +567,21 @@ pub struct OwnFields<'a> {
 }
 
 /// The request line and fields, with `own` in place of the fields it replaces and the framing
-/// field for `length` in place of the request's `Content-Length` and `Transfer-Encoding`.
-pub(super) fn encode_head(
+/// field for `framing` in place of the request's `Content-Length` and `Transfer-Encoding`.
+pub(crate) fn encode_head(
     head: &request::Parts,
     own: &OwnFields<'_>,
-    length: BodyLength,
+    framing: Framing,
     out: &mut Vec<u8>,
 ) {
-    out.extend_from_slice(head.method.as_str().as_bytes());
-    out.push(b' ');
     let target = head.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    out.extend_from_slice(target.as_bytes());
-    out.extend_from_slice(b" HTTP/1.1\r\n");
+    write_request_line(&head.method, target, out);
     for (name, value) in own.set {
-        encode_field(name, value, out);
+        super::codec::encode_field(name, value, out);
     }
-    for (name, value) in &head.headers {
-        if name == CONTENT_LENGTH || name == TRANSFER_ENCODING || own.replaced.contains(name) {
-            continue;
-        }
-        encode_field(name, value, out);
-    }
-    match length {
-        BodyLength::None => {}
-        BodyLength::Exact(n) => {
-            out.extend_from_slice(b"content-length: ");
-            push_number(n, 10, out);
-            out.extend_from_slice(b"\r\n");
-        }
-        BodyLength::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
-    }
+    write_fields(&head.headers, out, |name, _| !own.replaced.contains(name));
+    framing.write_field(out);
     out.extend_from_slice(b"\r\n");
-}
-
-/// One body frame's data as it goes on the wire.
-fn encode_data(data: &[u8], length: BodyLength, out: &mut Vec<u8>) {
-    if length == BodyLength::Chunked {
-        push_chunk_size(data.len(), out);
-        out.extend_from_slice(data);
-        out.extend_from_slice(b"\r\n");
-    } else {
-        out.extend_from_slice(data);
-    }
 }
 
 /// What a body has without waiting.
@@ -650,12 +629,12 @@ where
 /// Parses a complete response head off the front of `buf`, or `None` if more is needed.
 fn parse_head(
     buf: &mut BytesMut,
-    spans: &mut Vec<(HeaderName, usize, usize)>,
+    spans: &mut Vec<(HeaderName, Span)>,
     method: &Method,
 ) -> Result<Option<ResponseHead>, ClientError> {
     // Left uninitialised: httparse fills only as many as the head has.
     let mut fields =
-        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_RESPONSE_FIELDS];
     let mut response = httparse::Response::new(&mut []);
     let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
         &mut response,
@@ -665,8 +644,8 @@ fn parse_head(
     // The limit holds for a head however it arrived: one that the last read completed past it
     // is refused like one still growing past it.
     let len = match parsed {
-        Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD_BYTES => len,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD_BYTES => return Ok(None),
+        Ok(httparse::Status::Complete(len)) if len <= MAX_RESPONSE_HEAD => len,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_RESPONSE_HEAD => return Ok(None),
         Ok(_) => return Err(ClientError::Malformed("response head too large")),
         Err(httparse::Error::TooManyHeaders) => {
             return Err(ClientError::Malformed("too many header fields"));
@@ -682,15 +661,13 @@ fn parse_head(
         _ => Version::HTTP_11,
     };
     // Where each field lies in the head, so the values can share its bytes.
-    let base = buf.as_ptr() as usize;
     spans.clear();
     let mut present = FramingFields::default();
     for field in response.headers.iter() {
         let name = idemgate::headers::field_name(field.name.as_bytes())
             .ok_or(ClientError::Malformed("bad header name"))?;
         present.note(&name);
-        let start = field.value.as_ptr() as usize - base;
-        spans.push((name, start, start + field.value.len()));
+        spans.push((name, Span::of(field.value, buf)));
     }
     let head = buf.split_to(len).freeze();
     // Room for the response's own fields only. (hyper parses a connection's next request
@@ -699,8 +676,8 @@ fn parse_head(
     // afresh, and a map of 16 fields or more takes the allocator's slower path for blocks
     // over 1 KiB.)
     let mut headers = HeaderMap::with_capacity(spans.len());
-    for (name, start, end) in spans.drain(..) {
-        let value = HeaderValue::from_maybe_shared(head.slice(start..end))
+    for (name, value) in spans.drain(..) {
+        let value = HeaderValue::from_maybe_shared(head.slice(value.range()))
             .map_err(|_| ClientError::Malformed("bad header value"))?;
         headers.append(name, value);
     }
@@ -715,7 +692,7 @@ fn parse_head(
     let keep_alive = version == Version::HTTP_11
         && framing != Framing::UntilClose
         && !both_lengths
-        && !(present.connection && crate::headers::asks_to_close(&headers));
+        && !(present.connection && asks_to_close(&headers));
     Ok(Some(ResponseHead {
         status,
         headers,
@@ -764,12 +741,12 @@ fn framing(
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
     {
-        return Ok(Framing::Empty);
+        return Ok(Framing::None);
     }
     if present.transfer_encoding {
         // Any other coding (`gzip, chunked`, `gzip`) would be passed on, and kept, as if the
         // body were plain: the response is refused like any head this client cannot read.
-        if !crate::headers::chunked_alone(headers) {
+        if !chunked_alone(headers) {
             return Err(ClientError::Malformed(
                 "a transfer coding other than chunked alone",
             ));
@@ -780,25 +757,8 @@ fn framing(
     if !present.content_length {
         return Ok(Framing::UntilClose);
     }
-    let mut length = None;
-    for value in &headers.get_all(CONTENT_LENGTH) {
-        for part in value.as_bytes().split(|&b| b == b',') {
-            let part = part.trim_ascii();
-            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
-                return Err(ClientError::Malformed("bad Content-Length"));
-            }
-            let n: u64 = std::str::from_utf8(part)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or(ClientError::Malformed("bad Content-Length"))?;
-            if length.is_some_and(|seen| seen != n) {
-                return Err(ClientError::Malformed("conflicting Content-Length"));
-            }
-            length = Some(n);
-        }
-    }
-    Ok(match length {
-        Some(0) => Framing::Empty,
+    Ok(match content_length_of(headers)? {
+        Some(0) => Framing::None,
         Some(n) => Framing::Length(n),
         None => Framing::UntilClose,
     })
@@ -824,14 +784,8 @@ pub struct BodyReader {
 enum BodyState {
     /// So many bytes left (`Content-Length`).
     Length(u64),
-    /// Before a chunk-size line.
-    ChunkSize,
-    /// Inside a chunk: so many bytes left, then its CRLF.
-    ChunkData(u64),
-    /// The CRLF after a chunk's data.
-    ChunkEnd,
-    /// Trailer fields after the last chunk, up to an empty line; so many bytes of them read.
-    Trailers(usize),
+    /// `Transfer-Encoding: chunked`, decoded so far.
+    Chunked(ChunkedDecoder),
     /// Until the connection closes.
     UntilClose,
     /// Read to its end.
@@ -848,9 +802,9 @@ impl BodyReader {
         unsent: Option<UnsentBody>,
     ) -> Self {
         let state = match head.framing {
-            Framing::Empty => BodyState::Done,
+            Framing::None => BodyState::Done,
             Framing::Length(n) => BodyState::Length(n),
-            Framing::Chunked => BodyState::ChunkSize,
+            Framing::Chunked => BodyState::Chunked(ChunkedDecoder::Size),
             Framing::UntilClose => BodyState::UntilClose,
         };
         Self {
@@ -990,140 +944,27 @@ impl BodyReader {
                     let all = connection.read.len();
                     return Poll::Ready(Some(Ok(connection.read.split_to(all).freeze())));
                 }
-                BodyState::ChunkSize
-                | BodyState::ChunkData(_)
-                | BodyState::ChunkEnd
-                | BodyState::Trailers(_) => {
-                    match chunked_step(&mut self.state, &mut connection.read) {
-                        Ok(Chunked::Data(data)) => return Poll::Ready(Some(Ok(data))),
-                        Ok(Chunked::Next) => {}
-                        Ok(Chunked::More) => {
-                            if let Err(error) = ready!(connection.poll_fill(cx)) {
-                                return Poll::Ready(Some(Err(error)));
-                            }
+                BodyState::Chunked(decoder) => match decoder.step(&mut connection.read) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(data))),
+                    Ok(Decoded::Next) => {
+                        if *decoder == ChunkedDecoder::Done {
+                            self.state = BodyState::Done;
                         }
-                        Err(error) => return Poll::Ready(Some(Err(error))),
                     }
-                }
+                    Ok(Decoded::More) => {
+                        if let Err(error) = ready!(connection.poll_fill(cx)) {
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                    }
+                    Err(error) => return Poll::Ready(Some(Err(error.into()))),
+                },
             }
         }
     }
-}
-
-/// What one step of the chunked decoder did with the bytes read so far.
-#[derive(Debug)]
-enum Chunked {
-    /// Body bytes, taken off the buffer.
-    Data(Bytes),
-    /// Framing taken off the buffer; the state moved on (to [`BodyState::Done`] at the end).
-    Next,
-    /// Nothing can be taken until more is read.
-    More,
-}
-
-/// One step of decoding a chunked body in `state` from the front of `read`: the decoder
-/// itself, apart from any socket, so that it can be fed bytes split anywhere. Strict: a
-/// malformed size line, a chunk without its CRLF, or trailers over [`MAX_HEAD_BYTES`] are
-/// errors. Trailer fields are read and dropped.
-fn chunked_step(state: &mut BodyState, read: &mut BytesMut) -> Result<Chunked, ClientError> {
-    match state {
-        BodyState::ChunkSize => match chunk_size(read)? {
-            Some(0) => *state = BodyState::Trailers(0),
-            Some(n) => *state = BodyState::ChunkData(n),
-            None => return Ok(Chunked::More),
-        },
-        BodyState::ChunkData(left) => {
-            if read.is_empty() {
-                return Ok(Chunked::More);
-            }
-            let n = (*left).min(read.len() as u64) as usize;
-            *left -= n as u64;
-            if *left == 0 {
-                *state = BodyState::ChunkEnd;
-            }
-            return Ok(Chunked::Data(read.split_to(n).freeze()));
-        }
-        BodyState::ChunkEnd => {
-            if read.len() < 2 {
-                return Ok(Chunked::More);
-            }
-            if &read[..2] != b"\r\n" {
-                return Err(ClientError::Malformed("a chunk without its CRLF"));
-            }
-            read.advance(2);
-            *state = BodyState::ChunkSize;
-        }
-        BodyState::Trailers(seen) => match trailer_line(read) {
-            Some(0) => *state = BodyState::Done,
-            Some(line) => {
-                *seen += line;
-                if *seen > MAX_HEAD_BYTES {
-                    return Err(ClientError::Malformed("trailers too large"));
-                }
-            }
-            None if read.len() > MAX_HEAD_BYTES => {
-                return Err(ClientError::Malformed("trailers too large"));
-            }
-            None => return Ok(Chunked::More),
-        },
-        // Not a chunked body's state: nothing to take.
-        BodyState::Length(_) | BodyState::UntilClose | BodyState::Done => {}
-    }
-    Ok(Chunked::Next)
-}
-
-/// Where the first CRLF in `buf` starts.
-fn find_crlf(buf: &[u8]) -> Option<usize> {
-    buf.windows(2).position(|w| w == b"\r\n")
-}
-
-/// Takes a chunk-size line (`HEX[;extensions]CRLF`) off `buf`: the size, or `None` if the
-/// line is not complete yet. Leading zeros aside, at most 15 hex digits.
-fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, ClientError> {
-    let Some(end) = find_crlf(buf) else {
-        if buf.len() > MAX_CHUNK_LINE {
-            return Err(ClientError::Malformed("chunk-size line too long"));
-        }
-        return Ok(None);
-    };
-    if end > MAX_CHUNK_LINE {
-        return Err(ClientError::Malformed("chunk-size line too long"));
-    }
-    let bad = ClientError::Malformed("bad chunk size");
-    // HEX, then optional whitespace before any extension.
-    let digits = buf[..end]
-        .split(|&b| b == b';')
-        .next()
-        .unwrap_or_default()
-        .trim_ascii_end();
-    if digits.is_empty() {
-        return Err(bad);
-    }
-    let mut size = 0u64;
-    for &b in digits {
-        let Some(digit) = char::from(b).to_digit(16) else {
-            return Err(bad);
-        };
-        // A 16th significant digit.
-        if size >> 56 != 0 {
-            return Err(bad);
-        }
-        size = size << 4 | u64::from(digit);
-    }
-    buf.advance(end + 2);
-    Ok(Some(size))
-}
-
-/// Takes one trailer line off `buf` (the field is dropped): its length without the CRLF
-/// (`0` for the empty line that ends the message), or `None` if the line is not complete yet.
-fn trailer_line(buf: &mut BytesMut) -> Option<usize> {
-    let end = find_crlf(buf)?;
-    buf.advance(end + 2);
-    Some(end)
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use std::collections::VecDeque;
     use std::net::SocketAddr;
     use std::time::Duration;
@@ -1176,6 +1017,32 @@ pub(super) mod tests {
                 }
             }
             received
+        });
+        (addr, server)
+    }
+
+    /// An upstream on 127.0.0.1 that reads one request head, writes `pieces` (each after its
+    /// pause), then reads until the client closes the connection, answering nothing more.
+    async fn answers_then_listens(
+        pieces: Vec<(Duration, &'static [u8])>,
+    ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(
+                buf[..n].ends_with(b"\r\n\r\n"),
+                "the request head came whole"
+            );
+            for (pause, piece) in pieces {
+                if !pause.is_zero() {
+                    tokio::time::sleep(pause).await;
+                }
+                stream.write_all(piece).await.unwrap();
+            }
+            while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
         });
         (addr, server)
     }
@@ -1252,20 +1119,12 @@ pub(super) mod tests {
 
     #[tokio::test]
     async fn no_answer_by_the_deadline_is_a_timeout_on_a_reused_connection_too() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         // Answers the first request, then reads and never answers again.
-        let server = tokio::spawn(async move {
-            let (mut stream, _) = listener.accept().await.unwrap();
-            let mut buf = [0u8; 4096];
-            let n = stream.read(&mut buf).await.unwrap();
-            assert!(buf[..n].ends_with(b"\r\n\r\n"));
-            stream
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
-        });
+        let (addr, server) = answers_then_listens(vec![(
+            Duration::ZERO,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+        )])
+        .await;
         let mut connection = connect(addr).await;
         // Far off: the connection's timer is registered for that deadline.
         let first = get(&mut connection, Method::GET).await.unwrap();
@@ -1324,22 +1183,16 @@ pub(super) mod tests {
 
     #[tokio::test]
     async fn a_body_that_stops_coming_is_cut_after_the_stall_time() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         // Most of a body at once, more 100 ms later, then nothing (the socket stays open
         // until the test ends).
-        let server = tokio::spawn(async move {
-            let (mut stream, _) = listener.accept().await.unwrap();
-            let mut buf = [0u8; 4096];
-            let _ = stream.read(&mut buf).await.unwrap();
-            stream
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\nfirst-")
-                .await
-                .unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            stream.write_all(b"more").await.unwrap();
-            while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
-        });
+        let (addr, server) = answers_then_listens(vec![
+            (
+                Duration::ZERO,
+                b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\nfirst-",
+            ),
+            (Duration::from_millis(100), b"more"),
+        ])
+        .await;
         let mut connection = connect(addr).await;
         let response = get(&mut connection, Method::GET).await.unwrap();
         // Each wait may last 1 s: the 100 ms pause passes, the endless one does not.
@@ -1441,7 +1294,7 @@ pub(super) mod tests {
     async fn malformed_heads_are_errors() {
         let many = {
             let mut head = b"HTTP/1.1 200 OK\r\n".to_vec();
-            for i in 0..=MAX_HEADERS {
+            for i in 0..=MAX_RESPONSE_FIELDS {
                 head.extend_from_slice(format!("x-{i}: 1\r\n").as_bytes());
             }
             head.extend_from_slice(b"\r\n");
@@ -1449,7 +1302,7 @@ pub(super) mod tests {
         };
         let huge = {
             let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
-            head.resize(MAX_HEAD_BYTES + 10_000, b'a');
+            head.resize(MAX_RESPONSE_HEAD + 10_000, b'a');
             Box::leak(head.into_boxed_slice()) as &'static [u8]
         };
         for answer in [
@@ -1481,7 +1334,7 @@ pub(super) mod tests {
         // As when the read that completes a head takes it past the limit: 60 000 bytes in
         // the buffer, then 10 000 more with its end.
         let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
-        head.resize(MAX_HEAD_BYTES + 5_000, b'a');
+        head.resize(MAX_RESPONSE_HEAD + 5_000, b'a');
         head.extend_from_slice(b"\r\nContent-Length: 2\r\n\r\nok");
         let mut buf = BytesMut::from(&head[..]);
         let parsed = parse_head(&mut buf, &mut Vec::new(), &Method::GET);
@@ -1494,16 +1347,16 @@ pub(super) mod tests {
         );
         // Exactly at the limit is still a head.
         let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
-        head.resize(MAX_HEAD_BYTES - 4, b'a');
+        head.resize(MAX_RESPONSE_HEAD - 4, b'a');
         head.extend_from_slice(b"\r\n\r\n");
-        assert_eq!(head.len(), MAX_HEAD_BYTES);
+        assert_eq!(head.len(), MAX_RESPONSE_HEAD);
         let mut buf = BytesMut::from(&head[..]);
         let parsed = parse_head(&mut buf, &mut Vec::new(), &Method::GET);
         assert!(matches!(parsed, Ok(Some(_))), "{parsed:?}");
         // One byte short of the end at the limit cannot become a head within it.
-        let mut buf = BytesMut::from(&head[..MAX_HEAD_BYTES - 1]);
+        let mut buf = BytesMut::from(&head[..MAX_RESPONSE_HEAD - 1]);
         assert!(parse_head(&mut buf, &mut Vec::new(), &Method::GET).is_ok());
-        let mut over = head[..MAX_HEAD_BYTES - 2].to_vec();
+        let mut over = head[..MAX_RESPONSE_HEAD - 2].to_vec();
         over.extend_from_slice(b"aa");
         let mut buf = BytesMut::from(&over[..]);
         assert!(parse_head(&mut buf, &mut Vec::new(), &Method::GET).is_err());
@@ -1532,19 +1385,70 @@ pub(super) mod tests {
         );
     }
 
-    /// A body of frames with no length known up front.
-    struct Frames(VecDeque<Bytes>);
+    /// A request body as a test scripts it: `frames`, each ready when asked for, then what
+    /// `then` says; it declares the length `declared`, if any, whatever it gives.
+    struct TestBody {
+        frames: VecDeque<Bytes>,
+        then: Then,
+        declared: Option<u64>,
+    }
 
-    impl Body for Frames {
+    /// What a [`TestBody`] does once its frames are out.
+    enum Then {
+        End,
+        /// Nothing more, ever.
+        Wait,
+        Fail,
+        /// The frames a test sends through the channel, then the end when it closes.
+        Channel(tokio::sync::mpsc::Receiver<Bytes>),
+    }
+
+    impl TestBody {
+        fn new(frames: impl IntoIterator<Item = Bytes>, then: Then, declared: Option<u64>) -> Self {
+            Self {
+                frames: frames.into_iter().collect(),
+                then,
+                declared,
+            }
+        }
+    }
+
+    impl Body for TestBody {
         type Data = Bytes;
-        type Error = std::convert::Infallible;
+        type Error = std::io::Error;
 
         fn poll_frame(
             mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
+            cx: &mut Context<'_>,
         ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-            Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+            if let Some(data) = self.frames.pop_front() {
+                return Poll::Ready(Some(Ok(http_body::Frame::data(data))));
+            }
+            match &mut self.then {
+                Then::End => Poll::Ready(None),
+                Then::Wait => Poll::Pending,
+                Then::Fail => Poll::Ready(Some(Err(std::io::Error::other("the client went away")))),
+                Then::Channel(frames) => frames
+                    .poll_recv(cx)
+                    .map(|frame| frame.map(|data| Ok(http_body::Frame::data(data)))),
+            }
         }
+
+        fn is_end_stream(&self) -> bool {
+            self.frames.is_empty() && matches!(self.then, Then::End)
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.declared.map_or_else(
+                http_body::SizeHint::default,
+                http_body::SizeHint::with_exact,
+            )
+        }
+    }
+
+    /// Frames of `data`, with no length declared.
+    fn frames(data: &[&'static [u8]]) -> TestBody {
+        TestBody::new(data.iter().map(|d| Bytes::from_static(d)), Then::End, None)
     }
 
     #[tokio::test]
@@ -1561,15 +1465,11 @@ pub(super) mod tests {
             .send(&post, &OwnFields::default(), &mut full, &mut None, soon())
             .await
             .unwrap();
-        let mut frames = Frames(VecDeque::from([
-            Bytes::from_static(b"abc"),
-            Bytes::from_static(b"defgh"),
-        ]));
-        send_post(&mut connection, "/stream", &mut frames)
+        send_post(&mut connection, "/stream", &mut frames(&[b"abc", b"defgh"]))
             .await
             .unwrap();
         // An empty frame is not a chunk: `0` would end the body early.
-        let mut empty = Frames(VecDeque::from([Bytes::new()]));
+        let mut empty = frames(&[b""]);
         send_post(&mut connection, "/empty", &mut empty)
             .await
             .unwrap();
@@ -1591,78 +1491,26 @@ pub(super) mod tests {
     }
 
     #[tokio::test]
-    async fn a_body_longer_than_its_length_is_refused() {
-        let ok: &'static [u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
-        let (addr, server) = scripted(vec![ok], Pace::Whole).await;
-        let mut connection = connect(addr).await;
-        /// Says `.1` bytes, gives 5.
-        struct Liar(bool, u64);
-        impl Body for Liar {
-            type Data = Bytes;
-            type Error = std::convert::Infallible;
-            fn poll_frame(
-                mut self: Pin<&mut Self>,
-                _cx: &mut Context<'_>,
-            ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-                let first = std::mem::replace(&mut self.0, false);
-                Poll::Ready(first.then(|| Ok(http_body::Frame::data(Bytes::from_static(b"12345")))))
-            }
-            fn size_hint(&self) -> http_body::SizeHint {
-                http_body::SizeHint::with_exact(self.1)
-            }
-        }
-        for (method, said) in [(Method::PUT, 2), (Method::GET, 0)] {
+    async fn a_body_that_breaks_its_length_is_refused_before_sending() {
+        let five = || Bytes::from_static(b"12345");
+        // (method, the frame in the body or already taken by an attempt on a connection that
+        // turned out unusable (the retry on a fresh one must check the same), what happens
+        // after it, the length declared)
+        let cases = [
+            // Longer than declared.
+            (Method::PUT, Some(five()), None, Then::End, 2),
+            (Method::GET, Some(five()), None, Then::End, 0),
+            // Ends short of its length.
+            (Method::PUT, Some(five()), None, Then::End, 10),
+            (Method::PUT, None, Some(five()), Then::End, 10),
+        ];
+        for (method, in_body, mut first, then, declared) in cases {
+            let (addr, server) = scripted(vec![b"HTTP/1.1 200 OK\r\n\r\n"], Pace::Whole).await;
+            let mut connection = connect(addr).await;
+            let mut body = TestBody::new(in_body, then, Some(declared));
             let error = connection
                 .send(
                     &head(method.clone(), "/"),
-                    &OwnFields::default(),
-                    &mut Liar(true, said),
-                    &mut None,
-                    soon(),
-                )
-                .await
-                .unwrap_err();
-            assert!(
-                matches!(error, SendError::BodyBeforeSent(_)),
-                "{method}: {error:?}"
-            );
-        }
-        drop(connection);
-        assert!(
-            server.await.unwrap().is_empty(),
-            "nothing of a body longer than declared goes out"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_body_that_ends_short_of_its_length_is_refused_before_sending() {
-        /// Says 10 bytes, gives 5 and ends.
-        struct Short(Option<Bytes>);
-        impl Body for Short {
-            type Data = Bytes;
-            type Error = std::convert::Infallible;
-            fn poll_frame(
-                mut self: Pin<&mut Self>,
-                _cx: &mut Context<'_>,
-            ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-                Poll::Ready(self.0.take().map(|data| Ok(http_body::Frame::data(data))))
-            }
-            fn is_end_stream(&self) -> bool {
-                self.0.is_none()
-            }
-            fn size_hint(&self) -> http_body::SizeHint {
-                http_body::SizeHint::with_exact(10)
-            }
-        }
-        let five = || Some(Bytes::from_static(b"12345"));
-        // The frame still in the body, or already taken by an attempt on a connection that
-        // turned out unusable (the retry on a fresh one must check the same).
-        for (mut body, mut first) in [(Short(five()), None), (Short(None), five())] {
-            let (addr, server) = scripted(vec![b"HTTP/1.1 200 OK\r\n\r\n"], Pace::Whole).await;
-            let mut connection = connect(addr).await;
-            let error = connection
-                .send(
-                    &head(Method::PUT, "/"),
                     &OwnFields::default(),
                     &mut body,
                     &mut first,
@@ -1670,34 +1518,15 @@ pub(super) mod tests {
                 )
                 .await
                 .unwrap_err();
-            assert!(matches!(error, SendError::BodyBeforeSent(_)), "{error:?}");
+            assert!(
+                matches!(error, SendError::BodyBeforeSent(_)),
+                "{method} {declared}: {error:?}"
+            );
             drop(connection);
             assert!(
                 server.await.unwrap().is_empty(),
-                "nothing of a body shorter than declared goes out"
+                "nothing of a body that breaks its length goes out"
             );
-        }
-    }
-
-    /// One frame of a body that says it is longer, then nothing more, ever.
-    struct Stalled(Option<Bytes>);
-
-    impl Body for Stalled {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-            match self.0.take() {
-                Some(data) => Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
-                None => Poll::Pending,
-            }
-        }
-
-        fn size_hint(&self) -> http_body::SizeHint {
-            http_body::SizeHint::with_exact(1_000)
         }
     }
 
@@ -1709,7 +1538,8 @@ pub(super) mod tests {
         )
         .await;
         let mut connection = connect(addr).await;
-        let mut body = Stalled(Some(Bytes::from_static(b"first ten.")));
+        // One frame of a body that says it is longer, then nothing more, ever.
+        let mut body = TestBody::new([Bytes::from_static(b"first ten.")], Then::Wait, Some(1_000));
         let response = tokio::time::timeout(
             Duration::from_secs(5),
             send_post(&mut connection, "/upload", &mut body),
@@ -1786,52 +1616,21 @@ pub(super) mod tests {
         (addr, server)
     }
 
-    /// `frames` frames of 64 KiB, each ready when asked for, then the end, or an error if
-    /// `fail` (the length it declares stays the whole).
-    struct Upload {
-        left: usize,
-        total: usize,
-        fail: bool,
-    }
-
     const UPLOAD_FRAME: usize = 64 * 1024;
-
-    impl Body for Upload {
-        type Data = Bytes;
-        type Error = std::io::Error;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-            if self.left == 0 {
-                return Poll::Ready(
-                    self.fail
-                        .then(|| Err(std::io::Error::other("the client went away"))),
-                );
-            }
-            self.left -= 1;
-            let byte = b'a' + (self.left % 26) as u8;
-            Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from(
-                vec![byte; UPLOAD_FRAME],
-            )))))
-        }
-
-        fn size_hint(&self) -> http_body::SizeHint {
-            http_body::SizeHint::with_exact((self.total * UPLOAD_FRAME) as u64)
-        }
-    }
 
     /// Sends a `POST` of `frames` frames (failing after them if `fail`) to an echoing
     /// upstream; answers the response head's reader, and the upstream's task.
     async fn post_to_echo(frames: usize, fail: bool) -> (BodyReader, tokio::task::JoinHandle<u64>) {
         let (addr, server) = echoing().await;
         let mut connection = connect(addr).await;
-        let mut body = Upload {
-            left: frames,
-            total: frames + usize::from(fail),
-            fail,
-        };
+        // Frames of 64 KiB, each ready when asked for, then the end, or an error if `fail`
+        // (the length declared stays the whole).
+        let data = (0..frames)
+            .rev()
+            .map(|left| Bytes::from(vec![b'a' + (left % 26) as u8; UPLOAD_FRAME]));
+        let then = if fail { Then::Fail } else { Then::End };
+        let declared = ((frames + usize::from(fail)) * UPLOAD_FRAME) as u64;
+        let mut body = TestBody::new(data, then, Some(declared));
         let mut response = send_post(&mut connection, "/echo", &mut body)
             .await
             .unwrap();
@@ -1868,39 +1667,13 @@ pub(super) mod tests {
         );
     }
 
-    /// A body of `length` bytes whose frames come through a channel, as the test sends them.
-    struct Channelled {
-        frames: tokio::sync::mpsc::Receiver<Bytes>,
-        length: u64,
-    }
-
-    impl Body for Channelled {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-            self.frames
-                .poll_recv(cx)
-                .map(|frame| frame.map(|data| Ok(http_body::Frame::data(data))))
-        }
-
-        fn size_hint(&self) -> http_body::SizeHint {
-            http_body::SizeHint::with_exact(self.length)
-        }
-    }
-
     #[tokio::test]
     async fn a_slow_client_body_after_an_early_answer_is_not_an_upstream_stall() {
         let (addr, server) = echoing().await;
         let mut connection = connect(addr).await;
         let (frames, rx) = tokio::sync::mpsc::channel(1);
-        let mut body = Channelled {
-            frames: rx,
-            length: 10,
-        };
+        // A body of 10 bytes whose frames come through a channel, as the test sends them.
+        let mut body = TestBody::new([], Then::Channel(rx), Some(10));
         frames.send(Bytes::from_static(b"first")).await.unwrap();
         let mut response = send_post(&mut connection, "/echo", &mut body)
             .await
@@ -1993,144 +1766,13 @@ pub(super) mod tests {
         assert!(closed, "a closed connection still looks usable after 2 s");
     }
 
-    /// Property tests of the parsers that read the upstream's bytes: the chunked decoder and
-    /// the response head parser.
+    /// Property tests of the response head parser, which reads the upstream's bytes (the
+    /// chunked decoder's are in `chunked`).
     mod properties {
         use proptest::prelude::*;
         use proptest::sample::select;
 
         use super::*;
-
-        /// Feeds `input` to the chunked decoder in pieces cut at `cuts` (positions, any
-        /// order), as reads would hand them over. Answers the body, what was left after its
-        /// end (`None` if it never ended), or the decoder's error. Bounded: every step must
-        /// take bytes, move the state on or ask for more.
-        fn decode(input: &[u8], cuts: &[usize]) -> Result<(Vec<u8>, Option<Vec<u8>>), ClientError> {
-            let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(input.len())).collect();
-            cuts.push(input.len());
-            cuts.sort_unstable();
-            let mut pieces = cuts.iter().scan(0, |from, &to| {
-                let piece = &input[*from..to];
-                *from = to;
-                Some(piece)
-            });
-            let mut state = BodyState::ChunkSize;
-            let mut read = BytesMut::new();
-            let mut body = Vec::new();
-            for _ in 0..4 * input.len() + 64 {
-                if matches!(state, BodyState::Done) {
-                    return Ok((body, Some(read.to_vec())));
-                }
-                match chunked_step(&mut state, &mut read)? {
-                    Chunked::Data(data) => {
-                        assert!(!data.is_empty(), "an empty piece of body");
-                        body.extend_from_slice(&data);
-                    }
-                    Chunked::Next => {}
-                    Chunked::More => match pieces.next() {
-                        Some(piece) => read.extend_from_slice(piece),
-                        None => return Ok((body, None)),
-                    },
-                }
-            }
-            panic!("the decoder made no progress on {input:?}");
-        }
-
-        /// A chunked encoding of `body`, cut into chunks at `cuts`, each size line written as
-        /// `style` says, then the last chunk, `trailers`, and `after` (the next response).
-        fn encode(
-            body: &[u8],
-            cuts: &[usize],
-            style: (bool, usize, bool),
-            trailers: &[&str],
-            after: &[u8],
-        ) -> Vec<u8> {
-            let (upper, zeros, extension) = style;
-            let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(body.len())).collect();
-            cuts.push(body.len());
-            cuts.sort_unstable();
-            cuts.dedup();
-            let mut out = Vec::new();
-            let mut from = 0;
-            for to in cuts {
-                if to == from {
-                    continue;
-                }
-                let size = format!("{:0width$x}", to - from, width = zeros + 1);
-                let size = if upper { size.to_uppercase() } else { size };
-                out.extend_from_slice(size.as_bytes());
-                if extension {
-                    out.extend_from_slice(b" ;name=\"v;x\"");
-                }
-                out.extend_from_slice(b"\r\n");
-                out.extend_from_slice(&body[from..to]);
-                out.extend_from_slice(b"\r\n");
-                from = to;
-            }
-            out.extend_from_slice(b"0\r\n");
-            for trailer in trailers {
-                out.extend_from_slice(trailer.as_bytes());
-                out.extend_from_slice(b"\r\n");
-            }
-            out.extend_from_slice(b"\r\n");
-            out.extend_from_slice(after);
-            out
-        }
-
-        fn cuts() -> impl Strategy<Value = Vec<usize>> {
-            prop::collection::vec(0usize..600, 0..12)
-        }
-
-        proptest! {
-            #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
-
-            #[test]
-            fn a_body_chunked_and_read_in_any_pieces_decodes_to_itself(
-                body in prop::collection::vec(any::<u8>(), 0..400),
-                chunks in cuts(),
-                reads in cuts(),
-                style in (any::<bool>(), 0usize..4, any::<bool>()),
-                trailers in prop::collection::vec(select(vec!["x-sum: 1", "X-Other: a, b", "t:"]), 0..3),
-                after in prop::collection::vec(any::<u8>(), 0..20),
-            ) {
-                let input = encode(&body, &chunks, style, &trailers, &after);
-                let (decoded, rest) = decode(&input, &reads).unwrap();
-                prop_assert_eq!(decoded, body);
-                // The decoder stops at the body's end: what follows is left for the next read.
-                let rest = rest.expect("the body ended");
-                prop_assert!(after.starts_with(&rest));
-            }
-
-            #[test]
-            fn random_bytes_never_panic_the_decoder(
-                input in prop::collection::vec(any::<u8>(), 0..300),
-                reads in cuts(),
-            ) {
-                let _ = decode(&input, &reads);
-            }
-
-            #[test]
-            fn a_mutated_chunked_body_never_panics_and_never_decodes_longer(
-                body in prop::collection::vec(any::<u8>(), 1..200),
-                chunks in cuts(),
-                reads in cuts(),
-                at in any::<prop::sample::Index>(),
-                byte in select(vec![b'0', b'f', b'F', b'\r', b'\n', b';', b' ', b'x', 0xff]),
-                how in 0..3u8,
-            ) {
-                let mut input = encode(&body, &chunks, (false, 0, false), &[], b"");
-                let i = at.index(input.len());
-                match how {
-                    0 => input[i] = byte,
-                    1 => input.insert(i, byte),
-                    _ => { input.remove(i); }
-                }
-                if let Ok((decoded, _)) = decode(&input, &reads) {
-                    // A changed size can move the body's end, never past what was sent.
-                    prop_assert!(decoded.len() <= input.len());
-                }
-            }
-        }
 
         /// The framing RFC 9112 §6.3 gives a response with `fields` to a GET, as this client
         /// reads it (strict: any transfer coding but chunked alone, or lengths that are not
@@ -2143,7 +1785,7 @@ pub(super) mod tests {
                     .map(|(_, v)| *v)
             };
             if (100..200).contains(&status) || status == 204 || status == 304 {
-                return Some(Framing::Empty);
+                return Some(Framing::None);
             }
             if values("transfer-encoding").next().is_some() {
                 let codings: Vec<String> = values("transfer-encoding")
@@ -2166,7 +1808,7 @@ pub(super) mod tests {
                 length = Some(n);
             }
             Some(match length {
-                Some(0) => Framing::Empty,
+                Some(0) => Framing::None,
                 Some(n) => Framing::Length(n),
                 None => Framing::UntilClose,
             })

@@ -145,7 +145,7 @@ pub struct FileConfig {
     pub admin_listen: Option<String>,
     /// The upstream's base URL (`http://host:port[/base/path]`).
     pub upstream: Option<String>,
-    /// `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    /// `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or `postgres://USER@HOST[:PORT]/DB`.
     pub store: Option<String>,
     /// Record lifetime for every route that does not set its own (default: the preset's).
     #[serde(default, deserialize_with = "duration")]
@@ -384,8 +384,12 @@ pub struct Overrides {
     pub underscores_in_headers: Option<bool>,
 }
 
-/// Where records are kept.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What a PostgreSQL store URL looks like, for messages that refuse one.
+const POSTGRES_FORM: &str = "postgres://USER[:PASSWORD]@HOST[:PORT]/DB[?sslmode=disable|prefer|require] (or postgresql://…)";
+
+/// Where records are kept. Shown (by `Display` and `Debug` alike) without any password a URL
+/// carries.
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreSpec {
     /// In this process only; lost on restart.
     Memory,
@@ -393,10 +397,14 @@ pub enum StoreSpec {
     Redb(PathBuf),
     /// A Redis server shared by several gateways (`redis://` or `rediss://` URL).
     Redis(String),
+    /// A PostgreSQL database shared by several gateways (`postgres://` or `postgresql://`
+    /// URL; the password from the URL or `PGPASSWORD`).
+    Postgres(String),
 }
 
 impl StoreSpec {
-    /// Reads `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    /// Reads `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or
+    /// `postgres://USER@HOST[:PORT]/DB`. A refusal never repeats a URL's password.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
         if s == "memory" {
@@ -420,12 +428,40 @@ impl StoreSpec {
                 ));
             }
             Ok(StoreSpec::Redis(s.to_owned()))
+        } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            parse_postgres(s)
         } else {
             Err(format!(
-                "{s:?} is not a store; expected \"memory\", \"redb:PATH\" or \"redis://HOST:PORT[/DB]\""
+                "{s:?} is not a store; expected \"memory\", \"redb:PATH\", \"redis://HOST:PORT[/DB]\" \
+                 or \"postgres://USER@HOST[:PORT]/DB\""
             ))
         }
     }
+}
+
+/// A `postgres://` or `postgresql://` store, checked as the store will read it. The URL may
+/// carry a password, so a refusal says what is wrong without repeating it.
+#[cfg(feature = "postgres")]
+fn parse_postgres(url: &str) -> Result<StoreSpec, String> {
+    match idemgate::store::PostgresStoreConfig::new(url).validate() {
+        Ok(_) => Ok(StoreSpec::Postgres(url.to_owned())),
+        Err(error) => {
+            // The top of the chain only says the store is unavailable; its source says why.
+            let why = std::error::Error::source(&error).map_or_else(
+                || error.to_string(),
+                |s| idemgate::ErrorChain(s).to_string(),
+            );
+            Err(format!("{why}; expected {POSTGRES_FORM}"))
+        }
+    }
+}
+
+#[cfg(not(feature = "postgres"))]
+fn parse_postgres(_url: &str) -> Result<StoreSpec, String> {
+    Err(format!(
+        "postgres:// needs idemgate built with the postgres feature (a store of the form \
+         {POSTGRES_FORM})"
+    ))
 }
 
 impl fmt::Display for StoreSpec {
@@ -444,7 +480,23 @@ impl fmt::Display for StoreSpec {
                 ),
                 Err(_) => f.write_str("redis"),
             },
+            // `user@host:port/db`, as the store names its server in logs and errors.
+            #[cfg(feature = "postgres")]
+            StoreSpec::Postgres(url) => {
+                match idemgate::store::PostgresStoreConfig::new(url.as_str()).validate() {
+                    Ok(server) => write!(f, "postgres://{server}"),
+                    Err(_) => f.write_str("postgres"),
+                }
+            }
+            #[cfg(not(feature = "postgres"))]
+            StoreSpec::Postgres(_) => f.write_str("postgres"),
         }
+    }
+}
+
+impl fmt::Debug for StoreSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoreSpec({self})")
     }
 }
 
@@ -1370,7 +1422,14 @@ mod tests {
             StoreSpec::parse("redis://127.0.0.1:6379/2"),
             Ok(StoreSpec::Redis("redis://127.0.0.1:6379/2".into()))
         );
-        for bad in ["redb:", "postgres://x", "mem", "redis://", "rediss://"] {
+        for bad in [
+            "redb:",
+            "sqlite:x",
+            "mem",
+            "redis://",
+            "rediss://",
+            "postgres://",
+        ] {
             assert!(StoreSpec::parse(bad).is_err(), "{bad:?} should be refused");
         }
         // TLS is taken only by a build that can speak it, and refused with the reason.
@@ -1382,6 +1441,51 @@ mod tests {
         }
         let shown = StoreSpec::Redis("redis://user:secret@cache:6380/1".into()).to_string();
         assert!(!shown.contains("secret"), "{shown}");
+    }
+
+    #[test]
+    fn postgres_store_specs() {
+        let urls = [
+            "postgres://idemgate@db.internal:5433/app",
+            "postgresql://idemgate@db.internal/app?sslmode=require",
+            "postgres://idemgate:s3cret@127.0.0.1:5432/app?sslmode=disable",
+        ];
+        for url in urls {
+            let spec = StoreSpec::parse(url);
+            if cfg!(feature = "postgres") {
+                assert_eq!(spec, Ok(StoreSpec::Postgres(url.into())), "{url}");
+            } else {
+                assert!(
+                    spec.is_err_and(|why| why.contains("postgres feature")),
+                    "{url}"
+                );
+            }
+        }
+        if cfg!(feature = "postgres") {
+            let spec = StoreSpec::parse(urls[2]).unwrap();
+            for shown in [spec.to_string(), format!("{spec:?}")] {
+                assert!(!shown.contains("s3cret"), "{shown}");
+                assert!(shown.contains("idemgate@127.0.0.1:5432/app"), "{shown}");
+            }
+        }
+        // Refused, naming what is wrong and what would be valid, never the password.
+        for (bad, why) in [
+            ("postgres://gw:s3cret@h/db?sslmode=sometimes", "sslmode"),
+            ("postgres://gw:s3cret@h/db?sslmode=verify-ca", "verify-ca"),
+            ("postgresql://gw:s3cret@h/db?frobnicate=1", "frobnicate"),
+            ("postgres://gw:s3cret@h:notaport/db", "port"),
+            ("postgres:///db", "no host"),
+        ] {
+            let refused = StoreSpec::parse(bad).expect_err(bad);
+            assert!(!refused.contains("s3cret"), "{refused}");
+            if cfg!(feature = "postgres") {
+                assert!(refused.contains(why), "{bad}: {refused}");
+                assert!(
+                    refused.contains("expected postgres://USER"),
+                    "{bad}: {refused}"
+                );
+            }
+        }
     }
 
     #[test]

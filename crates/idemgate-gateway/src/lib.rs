@@ -5,6 +5,7 @@
 //!          [--admin-listen ADDR] [--admin-token TOKEN] [--log-format text|json]
 //! idemgate --check-config --config FILE
 //! STORE: memory | redb:PATH | redis://HOST:PORT[/DB] | rediss://HOST:PORT[/DB]
+//!        | postgres://USER[:PASSWORD]@HOST[:PORT]/DB[?sslmode=…] | postgresql://…
 //! ```
 //!
 //! - [`config`]: the TOML file, overrides and validation.
@@ -57,8 +58,9 @@ pub struct Cli {
     /// The upstream's base URL, e.g. http://127.0.0.1:3000.
     #[arg(long, env = "IDEMGATE_UPSTREAM", value_name = "URL")]
     pub upstream: Option<String>,
-    /// memory | redb:PATH | redis://HOST:PORT[/DB] | rediss://… (TLS) [default:
-    /// redb:./data/idemgate.redb].
+    /// memory | redb:PATH | redis://HOST:PORT[/DB] | rediss://… (TLS) |
+    /// postgres://USER@HOST:PORT/DB?sslmode=… or postgresql://… (password in the URL or
+    /// PGPASSWORD) [default: redb:./data/idemgate.redb].
     #[arg(long, env = "IDEMGATE_STORE", value_name = "STORE")]
     pub store: Option<String>,
     /// Record lifetime for routes that do not set their own (30s, 24h, 3d, 1h 30m).

@@ -79,11 +79,16 @@ pub enum RunError {
     },
 }
 
-/// Opens the configured store. A Redis store is set up without contacting Redis, so that a
-/// gateway starts while Redis is down; `store_timeout` bounds each of its calls.
+/// Opens the configured store. A Redis or PostgreSQL store is set up without contacting its
+/// server, so that a gateway starts while the server is down; `store_timeout` bounds each of
+/// its calls.
 pub async fn open_store(
     spec: &StoreSpec,
-    #[cfg_attr(not(feature = "redis"), expect(unused_variables))] store_timeout: Duration,
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres")),
+        expect(unused_variables)
+    )]
+    store_timeout: Duration,
 ) -> Result<Arc<dyn Store>, RunError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(idemgate::store::MemoryStore::default())),
@@ -129,6 +134,22 @@ pub async fn open_store(
             })?;
             Ok(Arc::new(store))
         }
+        #[cfg(feature = "postgres")]
+        StoreSpec::Postgres(url) => {
+            // As for Redis: start while PostgreSQL is down (503s, /readyz not ready); the
+            // tables are created, or their version checked, at the first connection that
+            // succeeds, and a table newer than this build fails every call, naming both
+            // versions. The password comes from the URL or PGPASSWORD.
+            let mut config = idemgate::store::PostgresStoreConfig::new(url.as_str());
+            config.timeout = store_timeout;
+            let store = idemgate::store::PostgresStore::connect_lazy(config).map_err(|source| {
+                RunError::Store {
+                    spec: spec.to_string(),
+                    source,
+                }
+            })?;
+            Ok(Arc::new(store))
+        }
         #[cfg(not(feature = "redb"))]
         StoreSpec::Redb(_) => Err(RunError::StoreFeature {
             spec: spec.to_string(),
@@ -138,6 +159,11 @@ pub async fn open_store(
         StoreSpec::Redis(_) => Err(RunError::StoreFeature {
             spec: spec.to_string(),
             feature: "redis",
+        }),
+        #[cfg(not(feature = "postgres"))]
+        StoreSpec::Postgres(_) => Err(RunError::StoreFeature {
+            spec: spec.to_string(),
+            feature: "postgres",
         }),
     }
 }
@@ -208,8 +234,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         routes = settings.routes.len(),
         "idemgate started"
     );
-    // A store down at start (Redis) is reported, not fatal: requests get 503 (or pass, as
-    // configured) and /readyz fails until it answers, and it coming back needs no restart.
+    // A store down at start (Redis, PostgreSQL) is reported, not fatal: requests get 503 (or
+    // pass, as configured) and /readyz fails until it answers, and it coming back needs no
+    // restart.
     // Pinged beside serving, so that start-up does not wait for it.
     tokio::spawn(warn_if_unreachable(
         first_ping,

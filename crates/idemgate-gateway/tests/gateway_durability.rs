@@ -3,37 +3,17 @@
 //! gateway. Every process here (gateways, `redis-server`) is started by the test and killed by
 //! its own pid when dropped.
 
+#[path = "support/shared_store.rs"]
+mod shared_store;
 #[path = "support/proxy.rs"]
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use shared_store::{IN_FLIGHT, assert_store_unavailable};
 use support::{
     Gateway, Resp, TempDir, TestUpstream, admin_get, eventually, gateway_command_after, key, send,
 };
-
-const STORE_UNAVAILABLE: &str = "urn:idemgate:problem:store-unavailable";
-const IN_FLIGHT: &str = "urn:idemgate:problem:request-in-flight";
-
-/// `Retry-After` as whole seconds; panics if it is missing or not a number.
-fn retry_after(r: &Resp) -> u64 {
-    r.headers
-        .get("retry-after")
-        .unwrap_or_else(|| panic!("no Retry-After on {} {}", r.status, r.text()))
-        .to_str()
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("Retry-After is not delay-seconds: {:?}", r.headers))
-}
-
-/// Asserts `r` is the fail-closed answer: `503`, `Retry-After`, problem `store-unavailable`.
-fn assert_store_unavailable(r: &Resp) {
-    assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(r.problem_type(), STORE_UNAVAILABLE);
-    assert!(retry_after(r) >= 1, "{:?}", r.headers);
-}
 
 // ---- two gateways, one Redis --------------------------------------------------------------
 
@@ -41,234 +21,19 @@ fn assert_store_unavailable(r: &Resp) {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_gateways_on_one_redis_execute_fifty_concurrent_requests_once() {
     let redis = test_servers::RedisServer::start();
-    let upstream = TestUpstream::start().await;
-    let dir = TempDir::new();
-    let gateways = [
-        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
-        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
-    ];
-    let urls = gateways.each_ref().map(|gw| gw.url("/race"));
-
-    // All 50 start together; the upstream takes 300 ms, so they overlap on both gateways.
-    let start = Arc::new(tokio::sync::Barrier::new(50));
-    let mut tasks = Vec::new();
-    for i in 0..50 {
-        let url = urls[i % 2].clone();
-        let start = Arc::clone(&start);
-        tasks.push(tokio::spawn(async move {
-            start.wait().await;
-            let r = send(
-                "POST",
-                &url,
-                &[key("k-shared"), ("x-delay-ms", "300")],
-                r#"{"amount":100}"#,
-            )
-            .await;
-            (i % 2, r)
-        }));
-    }
-    let mut executed = Vec::new();
-    let mut replayed = Vec::new();
-    // Per gateway: requests answered from the shared record (409 or an early replay).
-    let mut from_record = [0; 2];
-    for task in tasks {
-        let (via, r) = task.await.expect("request task");
-        match r.status {
-            201 if r.replayed() => {
-                from_record[via] += 1;
-                replayed.push(r);
-            }
-            201 => executed.push((via, r)),
-            409 => {
-                assert_eq!(r.problem_type(), IN_FLIGHT);
-                assert!(retry_after(&r) >= 1);
-                from_record[via] += 1;
-            }
-            other => panic!("unexpected {other} through gateway {via}: {}", r.text()),
-        }
-    }
-    assert_eq!(
-        executed.len(),
-        1,
-        "exactly one request executes; answered from the record per gateway: {from_record:?}"
-    );
-    assert_eq!(
-        upstream.hits("/race"),
-        1,
-        "exactly one request reached the upstream"
-    );
-    let (winner, first) = executed.pop().expect("one execution");
-    // The gateway that did not execute answered all of its 25 requests from the claim the
-    // other one made in Redis.
-    assert_eq!(from_record[1 - winner], 25);
-    assert_eq!(from_record[winner], 24);
-    for r in &replayed {
-        assert_eq!(r.body, first.body, "an early replay is byte for byte");
-    }
-
-    // Afterwards each gateway replays the same bytes.
-    for (i, gw) in gateways.iter().enumerate() {
-        let again = send(
-            "POST",
-            &gw.url("/race"),
-            &[key("k-shared")],
-            r#"{"amount":100}"#,
-        )
-        .await;
-        assert_eq!(again.status, first.status, "gateway {i}: {}", again.text());
-        assert!(again.replayed(), "gateway {i}: {:?}", again.headers);
-        assert_eq!(again.body, first.body, "gateway {i} replays byte for byte");
-        assert_eq!(again.headers["x-upstream-n"], "1", "gateway {i}");
-        assert_eq!(
-            again.headers.get("content-type"),
-            first.headers.get("content-type"),
-            "gateway {i}"
-        );
-    }
-    assert_eq!(
-        upstream.hits("/race"),
-        1,
-        "replays never reach the upstream"
-    );
+    shared_store::two_gateways_execute_fifty_concurrent_requests_once(&redis.url(), "").await;
 }
 
 // ---- Redis killed and restarted under traffic ---------------------------------------------
 
-/// One request of the traffic loop: its index (key `k-{i}`, path `/traffic/{i}`), when it
-/// started and ended, and what came back.
-#[cfg(feature = "redis")]
-struct Sent {
-    i: usize,
-    started: Instant,
-    ended: Instant,
-    resp: Resp,
-}
-
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_killed_under_traffic_fails_closed_and_recovers_without_a_restart() {
-    /// The traffic loop's bound: at 20 ms apart this is far longer than the test needs.
-    const MAX_REQUESTS: usize = 3000;
-
     // With its append-only file, so the restart keeps the records (a restart that loses them
     // is redis_restarted_without_persistence_refuses_claims_until_acknowledged).
     let mut redis = test_servers::RedisServer::start_with(&["--appendonly", "yes"]);
-    let upstream = TestUpstream::start().await;
-    let dir = TempDir::new();
-    let mut gw = Gateway::start_configured(
-        &dir,
-        &upstream,
-        &redis.url(),
-        "store_timeout = \"500ms\"\n",
-        &[],
-    );
-    let url = gw.url("");
-
-    let log: Arc<std::sync::Mutex<Vec<Sent>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let traffic = tokio::spawn({
-        let log = Arc::clone(&log);
-        let stop = Arc::clone(&stop);
-        async move {
-            for i in 0..MAX_REQUESTS {
-                if stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                let started = Instant::now();
-                let resp = send(
-                    "POST",
-                    &format!("{url}/traffic/{i}"),
-                    &[key(&format!("k-{i}"))],
-                    "payload",
-                )
-                .await;
-                let ended = Instant::now();
-                log.lock().unwrap().push(Sent {
-                    i,
-                    started,
-                    ended,
-                    resp,
-                });
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    });
-    let count = |since: Instant, status: u16| {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.started >= since && s.resp.status == status)
-            .count()
-    };
-
-    let began = Instant::now();
-    eventually(600, || async { (count(began, 201) >= 10).then_some(()) })
-        .await
-        .expect("traffic flows while Redis is up");
-
-    redis.stop();
-    let stopped = Instant::now();
-    // Down for a while (at least a second, ten refusals), so the gateway's reconnects fail
-    // more than once before Redis comes back.
-    eventually(600, || async {
-        (count(stopped, 503) >= 10 && stopped.elapsed() >= Duration::from_secs(1)).then_some(())
-    })
-    .await
-    .expect("requests are refused while Redis is down");
-    let not_ready = eventually(200, || async {
-        let r = admin_get(&gw, "/readyz", &[]).await;
-        (r.status == 503).then_some(r)
-    })
-    .await;
-    assert!(not_ready.is_some(), "/readyz fails while Redis is down");
-
-    let restarting = Instant::now();
-    redis.restart();
-    let restarted = Instant::now();
-    eventually(600, || async {
-        (count(restarted, 201) >= 10).then_some(())
-    })
-    .await
-    .expect("traffic flows again once Redis is back, through the same gateway");
-    stop.store(true, Ordering::SeqCst);
-    traffic.await.expect("traffic task");
-    assert!(gw.running(), "the gateway was never restarted");
-    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 200);
-
-    let log = log.lock().unwrap();
-    let mut refused = 0;
-    for sent in log.iter() {
-        let path = format!("/traffic/{}", sent.i);
-        let hits = upstream.hits(&path);
-        assert!(hits <= 1, "key k-{} ran {hits} times", sent.i);
-        match sent.resp.status {
-            201 => {
-                assert!(!sent.resp.replayed(), "k-{} is a fresh key", sent.i);
-                assert_eq!(hits, 1, "k-{}: a 201 came from the upstream", sent.i);
-            }
-            503 => {
-                assert_store_unavailable(&sent.resp);
-                assert_eq!(hits, 0, "k-{}: refused, so never forwarded", sent.i);
-                refused += 1;
-            }
-            other => panic!("k-{}: unexpected {other}: {}", sent.i, sent.resp.text()),
-        }
-        // Sent and answered wholly while Redis was down: refused.
-        if sent.started >= stopped && sent.ended <= restarting {
-            assert_eq!(sent.resp.status, 503, "k-{} while Redis was down", sent.i);
-        }
-    }
-    assert!(refused >= 10);
-    assert!(
-        log.len() < MAX_REQUESTS,
-        "the loop was stopped, not exhausted"
-    );
-    let forwarded: u64 = log.iter().filter(|s| s.resp.status == 201).map(|_| 1).sum();
-    assert_eq!(
-        upstream.total_hits(),
-        forwarded,
-        "the upstream saw exactly the requests answered 201"
-    );
+    let url = redis.url();
+    shared_store::a_store_stopped_under_traffic_fails_closed_and_recovers(&mut redis, &url).await;
 }
 
 // ---- Redis restarted without persistence --------------------------------------------------
@@ -422,19 +187,7 @@ async fn a_gateway_starts_while_redis_is_down_and_reports_it_after_listening() {
     let store = format!("redis://{}", support::free_addr());
     let url = upstream.url();
     let gw = Gateway::start_with(&["--upstream", &url, "--store", &store], &[]);
-    let refused = send("POST", &gw.url("/down"), &[key("k-down")], "x").await;
-    assert_store_unavailable(&refused);
-    assert_eq!(upstream.hits("/down"), 0);
-    assert_eq!(admin_get(&gw, "/readyz", &[]).await.status, 503);
-    let logs = gw
-        .logs_with("store not reachable yet")
-        .await
-        .unwrap_or_else(|| panic!("the unreachable store is reported:\n{}", gw.logs()));
-    let listening = logs
-        .find("idemgate listening on")
-        .expect("the listening line");
-    let reported = logs.find("store not reachable yet").unwrap();
-    assert!(listening < reported, "listening line first:\n{logs}");
+    shared_store::assert_serving_while_the_store_is_down(&gw, &upstream).await;
 }
 
 // ---- Redis over TLS --------------------------------------------------------------------------

@@ -170,6 +170,77 @@ async fn a_schema_newer_than_the_build_is_refused_naming_both_versions() {
     );
 }
 
+/// A lazily connected store is made while the server is down, fails every call meanwhile,
+/// and sets the tables up at its first successful connection; one that finds a newer table
+/// fails every call naming both versions, and works again once the table is one it reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lazy_store_starts_without_the_server_and_sets_up_at_its_first_connection() {
+    let mut server = PostgresServer::start();
+    server.stop();
+    let mut config = config(&server);
+    config.timeout = FAULT_TIMEOUT;
+    let store = PostgresStore::connect_lazy(config.clone()).expect("made without the server");
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    assert!(store.ping().await.is_err(), "ping while postgres is down");
+    assert!(claim(&store, "early", &long).await.is_err());
+
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = store.ping().await {
+        assert!(Instant::now() < deadline, "never ready: {}", chain(&e));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    acquire(&store, "first", &long).await;
+    let client = raw(&server).await;
+    assert_eq!(row_count(&client).await, 1, "the table was created");
+
+    let newer = PostgresStore::SCHEMA_VERSION + 1;
+    client
+        .execute("UPDATE idemgate_schema SET version = $1", &[&newer])
+        .await
+        .expect("raise the schema version");
+    let refusing = PostgresStore::connect_lazy(config).expect("made without contacting it");
+    for call in 0..3 {
+        let message = match call {
+            0 => chain(
+                &refusing
+                    .ping()
+                    .await
+                    .expect_err("a newer schema is refused"),
+            ),
+            _ => chain(
+                &claim(&refusing, "refused", &long)
+                    .await
+                    .expect_err("refused"),
+            ),
+        };
+        assert!(
+            message.contains(&format!("schema version {newer}"))
+                && message.contains(&format!(
+                    "version {} that this idemgate",
+                    PostgresStore::SCHEMA_VERSION
+                )),
+            "call {call} must name both versions: {message}"
+        );
+    }
+    client
+        .execute(
+            "UPDATE idemgate_schema SET version = $1",
+            &[&PostgresStore::SCHEMA_VERSION],
+        )
+        .await
+        .expect("restore the schema version");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = refusing.ping().await {
+        assert!(Instant::now() < deadline, "still refused: {}", chain(&e));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(matches!(
+        claim(&refusing, "first", &long).await,
+        Ok(Claim::InFlight { .. })
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_server_is_unavailable_quickly_and_served_again_once_back() {
     let mut server = PostgresServer::start();

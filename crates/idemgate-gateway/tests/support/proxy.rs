@@ -577,6 +577,18 @@ pub(crate) async fn send_h2c(
     send_with(&client, method, url, headers, body).await
 }
 
+/// As [`send`], but a request that fails (the connection refused or cut, as when the gateway
+/// is killed) is an `Err` rather than a panic.
+pub(crate) async fn try_send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<Resp, String> {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    try_send_with(&client, method, url, headers, body).await
+}
+
 async fn send_with(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
     method: &str,
@@ -584,6 +596,18 @@ async fn send_with(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Resp {
+    try_send_with(client, method, url, headers, body)
+        .await
+        .expect("request succeeds")
+}
+
+async fn try_send_with(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<Resp, String> {
     let mut req = Request::builder()
         .method(Method::from_bytes(method.as_bytes()).unwrap())
         .uri(url);
@@ -594,14 +618,18 @@ async fn send_with(
     let response = tokio::time::timeout(Duration::from_secs(30), client.request(req))
         .await
         .expect("response within 30s")
-        .expect("request succeeds");
+        .map_err(|e| format!("request failed: {e:?}"))?;
     let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("read body").to_bytes();
-    Resp {
+    let body = body
+        .collect()
+        .await
+        .map_err(|e| format!("reading the body failed: {e:?}"))?
+        .to_bytes();
+    Ok(Resp {
         status: parts.status.as_u16(),
         headers: parts.headers,
         body,
-    }
+    })
 }
 
 /// Writes `request` on a fresh connection and reads until the server closes it (at most

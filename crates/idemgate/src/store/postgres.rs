@@ -62,10 +62,12 @@ const _: () = assert!(
 /// `stored_at` (when the record took its state), `expires_at`, and `body` (the completion in
 /// [`Completion::encode`]'s binary form, while completed). [`connect`](Self::connect)
 /// creates the table (and an index on `expires_at`) when it is missing; `idemgate_schema`
-/// holds the version of its layout, [`SCHEMA_VERSION`](Self::SCHEMA_VERSION) for this build.
-/// A table of a newer version is refused at start with an error naming both versions, so an
-/// older gateway never misreads a newer one's records. Point gateways for different
-/// applications at different databases, or schemas (`options=-c search_path=…` in the URL).
+/// holds the version of its layout, [`SCHEMA_VERSION`](Self::SCHEMA_VERSION) for this build
+/// ([`connect_lazy`](Self::connect_lazy) does the same at its first successful connection).
+/// A table of a newer version is refused with an error naming both versions (at start, or by
+/// every call of a lazily connected store), so an older gateway never misreads a newer one's
+/// records. Point gateways for different applications at different databases, or schemas
+/// (`options=-c search_path=…` in the URL).
 ///
 /// # Statements
 ///
@@ -131,6 +133,8 @@ struct Inner {
     /// The server, without its password, for logs and errors.
     server: Arc<str>,
     sweep_batch: u32,
+    /// Whether the tables are set up on the server (see [`schema::Check`]).
+    schema: schema::Check,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -157,7 +161,9 @@ impl PostgresStore {
     ///
     /// Fails, within about three store timeouts, with a [`StoreError::Unavailable`] whose
     /// source names the server (without its password) when the URL is invalid, the server
-    /// cannot be reached, or the table's schema is newer than this build's.
+    /// cannot be reached, or the table's schema is newer than this build's. Use
+    /// [`connect_lazy`](Self::connect_lazy) to start without PostgreSQL and let readiness
+    /// checks report it.
     ///
     /// ```no_run
     /// # async fn example() -> Result<(), idemgate::store::StoreError> {
@@ -169,6 +175,37 @@ impl PostgresStore {
     /// # }
     /// ```
     pub async fn connect(config: PostgresStoreConfig) -> Result<Self, StoreError> {
+        let store = Self::connect_lazy(config)?;
+        let deadline = Instant::now() + store.inner.timeout.saturating_mul(3);
+        drop(store.inner.client(deadline).await?);
+        Ok(store)
+    }
+
+    /// Sets the store up without contacting PostgreSQL, and starts the background deletion
+    /// of expired records on the current Tokio runtime. Calls fail with a [`StoreError`]
+    /// until the server answers; the first call whose connection succeeds (a request's, a
+    /// readiness [`ping`](Store::ping)'s or the background deletion's) creates the tables or
+    /// checks their version, as [`connect`](Self::connect) does, before anything else runs
+    /// on that server.
+    ///
+    /// A table whose schema is newer than this build's makes every call fail with a
+    /// [`StoreError::Unavailable`] naming both versions; the version is read again at most
+    /// once a second, so the store works once the table is one it can read.
+    ///
+    /// Fails only when the URL is invalid (see [`PostgresStoreConfig::validate`]) or when
+    /// called outside a Tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), idemgate::store::StoreError> {
+    /// use idemgate::store::{PostgresStore, PostgresStoreConfig, Store};
+    ///
+    /// let store = PostgresStore::connect_lazy(PostgresStoreConfig::new("postgres://idemgate@db.internal/app"))?;
+    /// let ready = store.ping().await.is_ok();
+    /// # let _ = ready;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn connect_lazy(config: PostgresStoreConfig) -> Result<Self, StoreError> {
         let pg = connection_config(&config)?;
         let server: Arc<str> = display_target(&pg).into();
         if tokio::runtime::Handle::try_current().is_err() {
@@ -195,8 +232,8 @@ impl PostgresStore {
             timeout: config.timeout,
             server,
             sweep_batch: config.sweep_batch.max(1),
+            schema: schema::Check::default(),
         });
-        inner.setup().await?;
         sweep::spawn_sweeper(
             Arc::downgrade(&inner),
             config.sweep_interval,
@@ -270,27 +307,32 @@ impl Inner {
         }
     }
 
-    /// A pooled connection, by `deadline` (opening a new one if none is idle).
+    /// A pooled connection, by `deadline` (opening a new one if none is idle), on a server
+    /// whose tables are set up: the first connection to succeed sets them up (see
+    /// [`schema::Check`]).
     async fn client(&self, deadline: Instant) -> Result<Object, StoreError> {
-        match timeout_at(deadline, self.pool.get()).await {
-            Ok(Ok(client)) => Ok(client),
-            Ok(Err(PoolError::Backend(e))) => Err(self.pg_error(e)),
-            Ok(Err(PoolError::Timeout(_))) | Err(_) => Err(self.timeout_error()),
-            Ok(Err(e)) => Err(server_error(
-                &self.server,
-                "no connection",
-                Some(Box::new(e)),
-            )),
+        self.schema.recent_refusal(&self.server)?;
+        let mut client = match timeout_at(deadline, self.pool.get()).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(PoolError::Backend(e))) => return Err(self.pg_error(e)),
+            Ok(Err(PoolError::Timeout(_))) | Err(_) => return Err(self.timeout_error()),
+            Ok(Err(e)) => {
+                return Err(server_error(
+                    &self.server,
+                    "no connection",
+                    Some(Box::new(e)),
+                ));
+            }
+        };
+        if self.schema.is_ready() {
+            return Ok(client);
         }
-    }
-
-    /// Creates or checks the tables (see [`schema::setup`]).
-    async fn setup(&self) -> Result<(), StoreError> {
-        let deadline = Instant::now() + self.timeout.saturating_mul(3);
-        let mut client = self.client(deadline).await?;
-        let setup = schema::setup(&mut client, &self.server, |e| self.pg_error(e));
+        let setup = self
+            .schema
+            .ensure(&mut client, &self.server, |e| self.pg_error(e));
         match timeout_at(deadline, setup).await {
-            Ok(done) => done,
+            Ok(Ok(())) => Ok(client),
+            Ok(Err(e)) => Err(e),
             Err(_) => {
                 drop(Object::take(client));
                 Err(self.timeout_error())

@@ -80,6 +80,25 @@ impl PostgresStoreConfig {
             sweep_batch: Self::DEFAULT_SWEEP_BATCH,
         }
     }
+
+    /// Checks the URL as [`PostgresStore::connect`](super::PostgresStore::connect) reads it
+    /// (its scheme, its syntax, a host, its `sslmode`), without contacting the server, and
+    /// returns the server it names as logs and errors show it: `user@host:port/dbname`,
+    /// never the password.
+    ///
+    /// A URL that is refused gets a [`StoreError::Unavailable`] whose source says what is
+    /// wrong, without the URL (which may carry a password).
+    ///
+    /// ```
+    /// use idemgate::store::PostgresStoreConfig;
+    ///
+    /// let config = PostgresStoreConfig::new("postgresql://gw:s3cret@db.internal:5433/app?sslmode=require");
+    /// assert_eq!(config.validate().unwrap(), "gw@db.internal:5433/app");
+    /// assert!(PostgresStoreConfig::new("postgres://db/app?sslmode=sometimes").validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<String, StoreError> {
+        connection_config(self).map(|pg| display_target(&pg))
+    }
 }
 
 impl fmt::Debug for PostgresStoreConfig {
@@ -125,6 +144,15 @@ pub(super) fn server_error(
     }
 }
 
+/// A URL that cannot be used, said without the URL itself (it may carry a password).
+#[derive(Debug, thiserror::Error)]
+#[error("invalid postgres url: {what}")]
+struct InvalidUrl {
+    what: &'static str,
+    #[source]
+    source: Option<crate::store::BoxError>,
+}
+
 /// The connection settings `config` describes, with the store's own additions: the password
 /// from [`PostgresStoreConfig::password`] when the URL has none, the store timeout as the
 /// connect timeout and as every session's `statement_timeout`, and `application_name`
@@ -132,18 +160,24 @@ pub(super) fn server_error(
 pub(super) fn connection_config(
     config: &PostgresStoreConfig,
 ) -> Result<tokio_postgres::Config, StoreError> {
-    let invalid = |what: &str, source| server_error("(url not shown)", what, source);
+    let invalid = |what, source| StoreError::Unavailable {
+        backend: BACKEND,
+        source: Box::new(InvalidUrl { what, source }),
+    };
     let url = config.url.as_str();
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         return Err(invalid(
-            "the url must start with postgres:// or postgresql://",
+            "it must start with postgres:// or postgresql://",
             None,
         ));
     }
     let url = normalise_sslmode(url).map_err(|what| invalid(what, None))?;
     let mut pg: tokio_postgres::Config = url
         .parse()
-        .map_err(|e: tokio_postgres::Error| invalid("invalid url", Some(Box::new(e))))?;
+        .map_err(|e: tokio_postgres::Error| invalid("cannot be read", Some(Box::new(e))))?;
+    if pg.get_hosts().is_empty() && pg.get_hostaddrs().is_empty() {
+        return Err(invalid("it names no host", None));
+    }
     if pg.get_password().is_none()
         && let Some(password) = &config.password
     {
@@ -270,7 +304,13 @@ mod tests {
             let pg = connection_config(&config(url)).expect(url);
             assert_eq!(display_target(&pg), "u@h:5433/db");
         }
-        for url in ["redis://h", "host=h user=u", "postgres//h"] {
+        for url in [
+            "redis://h",
+            "host=h user=u",
+            "postgres//h",
+            "postgres://",
+            "postgres:///db",
+        ] {
             assert!(connection_config(&config(url)).is_err(), "{url}");
         }
     }

@@ -1,7 +1,13 @@
-//! The store's tables, created at start and versioned: `idemgate_schema` holds the version of
-//! the layout of `idemgate_records`, and a layout newer than this build is refused.
+//! The store's tables, created (or checked) at the first connection that succeeds and
+//! versioned: `idemgate_schema` holds the version of the layout of `idemgate_records`, and a
+//! layout newer than this build is refused.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 use deadpool_postgres::Object;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 use super::config::server_error;
 use crate::store::StoreError;
@@ -55,13 +61,97 @@ pub(super) struct NewerSchema {
     supported: i32,
 }
 
+/// The error every call of a store gets while its table is of version `found`, newer than
+/// this build's.
+fn refused_error(server: &str, found: i32) -> StoreError {
+    server_error(
+        server,
+        "refusing the records table",
+        Some(Box::new(NewerSchema {
+            found,
+            supported: SCHEMA_VERSION,
+        })),
+    )
+}
+
+/// How long a store that found a newer table answers every call with that refusal before it
+/// reads the version again (an operator may have pointed it elsewhere, or restored a table).
+const RECHECK_REFUSAL: Duration = Duration::from_secs(1);
+
+/// Whether a store's tables have been set up (created, or their version checked) on its
+/// database: done once, by the first call whose connection to the server succeeds, so that a
+/// store can be made while PostgreSQL is down.
+#[derive(Debug, Default)]
+pub(super) struct Check {
+    /// Set once the tables are there in this build's version.
+    ready: OnceCell<()>,
+    /// The newer version found, and when it was read.
+    refused: Mutex<Option<(i32, Instant)>>,
+}
+
+impl Check {
+    /// Whether the tables were set up already: then nothing is left to do, ever.
+    pub(super) fn is_ready(&self) -> bool {
+        self.ready.initialized()
+    }
+
+    /// The refusal of a newer table read less than [`RECHECK_REFUSAL`] ago, if any: answered
+    /// without a round trip.
+    pub(super) fn recent_refusal(&self, server: &str) -> Result<(), StoreError> {
+        let refused = *self.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        match refused {
+            Some((found, at)) if at.elapsed() < RECHECK_REFUSAL => {
+                Err(refused_error(server, found))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Sets the tables up on `client` unless that is done already; concurrent callers wait
+    /// for the one setting up (and try again themselves if it fails).
+    pub(super) async fn ensure(
+        &self,
+        client: &mut Object,
+        server: &str,
+        pg_error: impl Fn(tokio_postgres::Error) -> StoreError,
+    ) -> Result<(), StoreError> {
+        self.ready
+            .get_or_try_init(|| async {
+                // A caller that waited for another's refusal does not read the version again.
+                self.recent_refusal(server)?;
+                let outcome = setup(client, server, pg_error).await;
+                let mut refused = self.refused.lock().unwrap_or_else(PoisonError::into_inner);
+                match outcome? {
+                    Setup::Ready => {
+                        *refused = None;
+                        Ok(())
+                    }
+                    Setup::Newer(found) => {
+                        *refused = Some((found, Instant::now()));
+                        Err(refused_error(server, found))
+                    }
+                }
+            })
+            .await
+            .map(drop)
+    }
+}
+
+/// What [`setup`] found.
+enum Setup {
+    /// The tables are there (now) in this build's version.
+    Ready,
+    /// The table is of this newer version; nothing was changed.
+    Newer(i32),
+}
+
 /// Creates the tables if they are missing, or checks their version, in one transaction under
 /// [`SETUP_LOCK`].
-pub(super) async fn setup(
+async fn setup(
     client: &mut Object,
     server: &str,
     pg_error: impl Fn(tokio_postgres::Error) -> StoreError,
-) -> Result<(), StoreError> {
+) -> Result<Setup, StoreError> {
     let tx = client.transaction().await.map_err(&pg_error)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SETUP_LOCK])
         .await
@@ -78,16 +168,7 @@ pub(super) async fn setup(
             tracing::info!(postgres = %server, version = SCHEMA_VERSION, "created the idemgate_records table");
         }
         Some(SCHEMA_VERSION) => {}
-        Some(found) if found > SCHEMA_VERSION => {
-            return Err(server_error(
-                server,
-                "refusing the records table",
-                Some(Box::new(NewerSchema {
-                    found,
-                    supported: SCHEMA_VERSION,
-                })),
-            ));
-        }
+        Some(found) if found > SCHEMA_VERSION => return Ok(Setup::Newer(found)),
         Some(found) => {
             return Err(server_error(
                 server,
@@ -96,5 +177,6 @@ pub(super) async fn setup(
             ));
         }
     }
-    tx.commit().await.map_err(&pg_error)
+    tx.commit().await.map_err(&pg_error)?;
+    Ok(Setup::Ready)
 }

@@ -136,6 +136,7 @@ fn metrics(state: &AdminState) -> Response<AdminBody> {
             store_errors: state.stats.store_errors(),
             fenced_completions: state.stats.fenced_completions(),
             unprotected_passes: state.stats.unprotected_passes(),
+            signature_rejections: state.stats.signature_rejections(),
             in_flight: state.stats.in_flight(),
         },
         &state.store.data_loss(),

@@ -25,6 +25,9 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
+#[cfg(feature = "webhooks")]
+use idemgate::webhook::{Secrets, SetupError};
+
 use idemgate::policy::{
     Concurrent, DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_WAIT_TIMEOUT, KeySource, MIN_LEASE, OnStoreError, Preset, RoutePolicy, StatusSet,
@@ -253,6 +256,19 @@ pub struct RouteFile {
     pub max_response_bytes: Option<usize>,
     /// Keep `Set-Cookie` in stored responses.
     pub store_set_cookie: Option<bool>,
+    /// A webhook provider (`github`, `stripe`, `shopify`, `standard-webhooks`, `slack`,
+    /// `twilio`): the route starts from its setup and verifies its signatures.
+    pub provider: Option<String>,
+    /// The environment variables holding the provider's signing secret: one name, or several
+    /// while a secret is rotated (a signature made with any of them is accepted).
+    #[serde(default, deserialize_with = "names")]
+    pub secret_env: Option<Vec<String>>,
+    /// The public URL at which the provider reaches the route's prefix (Twilio signs it).
+    pub public_url: Option<String>,
+    /// How far a signed timestamp may be from the gateway's clock (Stripe, Standard Webhooks,
+    /// Slack).
+    #[serde(default, deserialize_with = "duration")]
+    pub signature_tolerance: Option<Duration>,
 }
 
 /// A route's `concurrent` as written: the library's [`Concurrent`] without the bound on
@@ -363,6 +379,31 @@ fn byte_size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error>
     usize::try_from(n)
         .map(Some)
         .map_err(|_| de::Error::custom(format!("{n} bytes is too large for this machine")))
+}
+
+/// Reads `secret_env`: one name, or a list of names.
+fn names<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    struct Names;
+    impl<'de> Visitor<'de> for Names {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(
+                "the name of an environment variable, or a list of names such as \
+                 [\"SECRET\", \"SECRET_NEXT\"]",
+            )
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Vec<String>, E> {
+            Ok(vec![s.to_owned()])
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+            let mut names = Vec::new();
+            while let Some(name) = seq.next_element::<String>()? {
+                names.push(name);
+            }
+            Ok(names)
+        }
+    }
+    d.deserialize_any(Names).map(Some)
 }
 
 /// Values from the command line or the environment, laid over the file.
@@ -718,8 +759,14 @@ impl FileConfig {
         self
     }
 
-    /// Checks every value and builds the typed configuration.
+    /// Checks every value and builds the typed configuration. A provider route's secrets are
+    /// read from the environment variables its `secret_env` names.
     pub fn validate(&self) -> Result<Settings, ConfigError> {
+        self.validate_reading(SECRETS_FROM_ENV)
+    }
+
+    /// [`FileConfig::validate`], reading provider routes' secrets with `read_secrets`.
+    fn validate_reading(&self, read_secrets: ReadSecrets) -> Result<Settings, ConfigError> {
         let (listen, admin_listen) = self.listeners()?;
         let upstream = self.upstream()?;
         let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
@@ -741,6 +788,7 @@ impl FileConfig {
             max_response_bytes: self
                 .max_response_bytes
                 .unwrap_or(DEFAULT_MAX_RESPONSE_BYTES),
+            read_secrets,
         };
         Ok(Settings {
             listen,
@@ -967,31 +1015,55 @@ fn lease_outlasts_a_renewal(lease: Duration, store_timeout: Duration) -> Result<
     }
 }
 
-/// What every route starts from: the top-level ttl and body caps, and the store timeout its
-/// lease must outlast.
+/// Reads the secrets held by the environment variables a provider route names.
+#[cfg(feature = "webhooks")]
+type ReadSecrets = fn(&[String]) -> Result<Secrets, SetupError>;
+/// Without the `webhooks` feature no route reads a secret.
+#[cfg(not(feature = "webhooks"))]
+type ReadSecrets = ();
+
+/// Secrets from the process's environment.
+#[cfg(feature = "webhooks")]
+const SECRETS_FROM_ENV: ReadSecrets = |names| Secrets::from_env(names);
+#[cfg(not(feature = "webhooks"))]
+const SECRETS_FROM_ENV: ReadSecrets = ();
+
+/// What every route starts from: the top-level ttl and body caps, the store timeout its
+/// lease must outlast, and where a provider route's secrets are read.
 struct RouteDefaults {
     ttl: Option<Duration>,
     store_timeout: Duration,
     max_request_bytes: usize,
     max_response_bytes: usize,
+    #[cfg_attr(not(feature = "webhooks"), allow(dead_code))]
+    read_secrets: ReadSecrets,
 }
 
 impl RouteDefaults {
     /// `preset` with the top-level values laid over it.
     fn policy(&self, preset: Preset) -> RoutePolicy {
-        let policy = RoutePolicy::preset(preset)
-            .max_request_bytes(self.max_request_bytes)
-            .max_response_bytes(self.max_response_bytes);
+        let policy = self.body_caps(RoutePolicy::preset(preset));
         match self.ttl {
             Some(ttl) => policy.ttl(ttl),
             None => policy,
         }
     }
+
+    /// `policy` with the top-level body caps.
+    fn body_caps(&self, policy: RoutePolicy) -> RoutePolicy {
+        policy
+            .max_request_bytes(self.max_request_bytes)
+            .max_response_bytes(self.max_response_bytes)
+    }
 }
 
+/// The keys that only a provider route takes.
+const PROVIDER_KEYS: [&str; 3] = ["secret_env", "public_url", "signature_tolerance"];
+
 impl RouteFile {
-    /// Checks the route written at `field` (`routes[2]`) and builds its policy: the preset,
-    /// the top-level values, then the route's own.
+    /// Checks the route written at `field` (`routes[2]`) and builds its policy: the preset
+    /// with the top-level values (or, on a `provider` route, the provider's setup, verified),
+    /// then each of the route's own keys that the file sets.
     fn validate(
         &self,
         field: &str,
@@ -999,14 +1071,33 @@ impl RouteFile {
     ) -> Result<RouteSettings, ConfigError> {
         let f = |name: &str| format!("{field}.{name}");
         let prefix = self.prefix(&f("prefix"))?;
-        let name = self.name.clone().unwrap_or_else(|| prefix.clone());
+        let (base, provider_route) = match &self.provider {
+            Some(provider) => (self.provider_policy(field, provider, defaults)?, true),
+            None => {
+                if let Some(key) = PROVIDER_KEYS.iter().find(|key| self.sets(key)) {
+                    return Err(ConfigError::invalid(
+                        f(key),
+                        "only applies to a webhook provider route; set provider = \"github\", \
+                         \"stripe\", \"shopify\", \"standard-webhooks\", \"slack\" or \"twilio\"",
+                    ));
+                }
+                (defaults.policy(self.preset.unwrap_or_default()), false)
+            }
+        };
+        // A provider route is named after its provider (as the library names it), others
+        // after their prefix.
+        let name = match &self.name {
+            Some(name) => name.clone(),
+            None if provider_route => base.route_name().to_owned(),
+            None => prefix.clone(),
+        };
         if name.is_empty() || name.len() > 64 || !name.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::invalid(
                 f("name"),
                 format!("{name:?} is not a route name; expected 1–64 visible ASCII characters"),
             ));
         }
-        let mut policy = defaults.policy(self.preset.unwrap_or_default()).name(name);
+        let mut policy = base.name(name);
         if let Some(key) = self.key_source(field)? {
             policy = policy.key(key);
         }
@@ -1019,7 +1110,9 @@ impl RouteFile {
         if let Some(ttl) = self.ttl {
             policy = policy.ttl(nonzero(&f("ttl"), ttl)?);
         }
-        policy = policy.concurrent(self.concurrent(field)?);
+        if let Some(concurrent) = self.concurrent(field, provider_route)? {
+            policy = policy.concurrent(concurrent);
+        }
         if let Some(headers) = &self.scope_headers {
             policy = policy.scope_headers(header_list(&f("scope_headers"), headers)?);
         }
@@ -1038,7 +1131,9 @@ impl RouteFile {
         if let Some(code) = self.mismatch_status {
             policy = policy.mismatch_status(mismatch_status(&f("mismatch_status"), code)?);
         }
-        policy = policy.lease(self.lease(&f("lease"), defaults.store_timeout)?);
+        if let Some(lease) = self.lease(&f("lease"), defaults.store_timeout)? {
+            policy = policy.lease(lease);
+        }
         if let Some(bytes) = self.max_request_bytes {
             policy = policy.max_request_bytes(bytes);
         }
@@ -1049,6 +1144,151 @@ impl RouteFile {
             policy = policy.store_set_cookie(keep);
         }
         Ok(RouteSettings { prefix, policy })
+    }
+
+    /// Whether the file sets the provider key `key` on this route.
+    fn sets(&self, key: &str) -> bool {
+        match key {
+            "secret_env" => self.secret_env.is_some(),
+            "public_url" => self.public_url.is_some(),
+            "signature_tolerance" => self.signature_tolerance.is_some(),
+            _ => false,
+        }
+    }
+
+    /// The setup of the provider named `provider`, verified with the secrets its
+    /// `secret_env` names, with the top-level body caps. Its ttl is the provider's (at least
+    /// its redelivery horizon) unless the route sets one: the top-level ttl does not shorten it.
+    #[cfg(feature = "webhooks")]
+    fn provider_policy(
+        &self,
+        field: &str,
+        provider: &str,
+        defaults: &RouteDefaults,
+    ) -> Result<RoutePolicy, ConfigError> {
+        use idemgate::webhook::{DEFAULT_TOLERANCE, Provider};
+
+        let f = |name: &str| format!("{field}.{name}");
+        let provider: Provider = provider
+            .parse()
+            .map_err(|why| ConfigError::invalid(f("provider"), why))?;
+        if let Some(preset) = self.preset.filter(|p| *p != Preset::Webhook) {
+            return Err(ConfigError::invalid(
+                f("preset"),
+                format!(
+                    "a provider route is a webhook route, not {preset:?}; change what it keeps \
+                     with store_statuses, unknown_outcome and ttl instead"
+                ),
+            ));
+        }
+        let names = self.secret_names(field, provider)?;
+        let timestamped = matches!(
+            provider,
+            Provider::Stripe | Provider::StandardWebhooks | Provider::Slack
+        );
+        let tolerance = match self.signature_tolerance {
+            Some(_) if !timestamped => {
+                return Err(ConfigError::invalid(
+                    f("signature_tolerance"),
+                    format!(
+                        "{provider} signs no timestamp, so there is no tolerance to set \
+                         (only stripe, standard-webhooks and slack sign one); remove it"
+                    ),
+                ));
+            }
+            Some(tolerance) => nonzero(&f("signature_tolerance"), tolerance)?,
+            None => DEFAULT_TOLERANCE,
+        };
+        let public_url = match (&self.public_url, provider) {
+            (None, Provider::Twilio) => {
+                return Err(ConfigError::invalid(
+                    f("public_url"),
+                    "required with provider = \"twilio\": the public URL at which Twilio reaches \
+                     this route's prefix, as entered in Twilio's console (Twilio signs it), \
+                     e.g. \"https://hooks.example.com/twilio\"",
+                ));
+            }
+            (Some(_), Provider::Twilio) | (None, _) => self.public_url.as_deref(),
+            (Some(_), _) => {
+                return Err(ConfigError::invalid(
+                    f("public_url"),
+                    format!(
+                        "{provider} does not sign the URL it requested (only twilio does); \
+                         remove it"
+                    ),
+                ));
+            }
+        };
+        let setup_error = |error: SetupError| {
+            let key = match error {
+                SetupError::InvalidPublicUrl { .. } => "public_url",
+                _ => "secret_env",
+            };
+            ConfigError::invalid(f(key), error.to_string())
+        };
+        let secrets = (defaults.read_secrets)(&names).map_err(setup_error)?;
+        let policy = provider
+            .verified_policy(secrets, tolerance, public_url)
+            .map_err(setup_error)?;
+        Ok(defaults.body_caps(policy))
+    }
+
+    /// `secret_env`, which a provider route requires: one name or more, each a possible
+    /// environment variable name.
+    #[cfg(feature = "webhooks")]
+    fn secret_names(
+        &self,
+        field: &str,
+        provider: idemgate::webhook::Provider,
+    ) -> Result<Vec<String>, ConfigError> {
+        let f = format!("{field}.secret_env");
+        let names = self.secret_env.clone().ok_or_else(|| {
+            ConfigError::invalid(
+                &f,
+                format!(
+                    "required with provider = \"{provider}\": the name of the environment \
+                     variable holding the signing secret (or a list of names while rotating \
+                     one); a provider route verifies every delivery, and the secret is never \
+                     written in the file"
+                ),
+            )
+        })?;
+        if names.is_empty() {
+            return Err(ConfigError::invalid(
+                f,
+                "is empty; name at least one environment variable",
+            ));
+        }
+        for (j, name) in names.iter().enumerate() {
+            if name.is_empty() || name.contains(['=', '\0']) || name.contains(char::is_whitespace) {
+                return Err(ConfigError::invalid(
+                    format!("{f}[{j}]"),
+                    format!(
+                        "{name:?} is not the name of an environment variable; expected e.g. \
+                         \"STRIPE_WEBHOOK_SECRET\""
+                    ),
+                ));
+            }
+        }
+        Ok(names)
+    }
+
+    /// Without the `webhooks` feature there are no provider routes.
+    #[cfg(not(feature = "webhooks"))]
+    fn provider_policy(
+        &self,
+        field: &str,
+        provider: &str,
+        _: &RouteDefaults,
+    ) -> Result<RoutePolicy, ConfigError> {
+        Err(ConfigError::invalid(
+            format!("{field}.provider"),
+            format!(
+                "{provider:?}: this idemgate was built without the `webhooks` feature, so it \
+                 cannot verify webhook signatures; build it with that feature (on by default) \
+                 to use provider routes"
+            ),
+        ))
     }
 
     /// `prefix`, which is required and must be a path.
@@ -1123,31 +1363,43 @@ impl RouteFile {
         Ok(Some(parsed))
     }
 
-    /// `concurrent` with its `wait_timeout`, which is set only with `"wait"`.
-    fn concurrent(&self, field: &str) -> Result<Concurrent, ConfigError> {
+    /// `concurrent` with its `wait_timeout`, when the file sets either. `wait_timeout` is set
+    /// only with `"wait"`, or alone on a provider route, whose setup waits already: then it
+    /// bounds that wait. `concurrent = "wait"` alone on a provider route keeps the provider's
+    /// bound.
+    fn concurrent(
+        &self,
+        field: &str,
+        provider_route: bool,
+    ) -> Result<Option<Concurrent>, ConfigError> {
         let wait_field = format!("{field}.wait_timeout");
         let wait_timeout = self
             .wait_timeout
             .map(|w| nonzero(&wait_field, w))
             .transpose()?;
-        match (self.concurrent.unwrap_or_default(), wait_timeout) {
-            (ConcurrentMode::Reject, Some(_)) => Err(ConfigError::invalid(
+        match (self.concurrent, wait_timeout) {
+            (Some(ConcurrentMode::Reject), Some(_)) | (None, Some(_)) if !provider_route => Err(
+                ConfigError::invalid(wait_field, "only applies with concurrent = \"wait\""),
+            ),
+            (Some(ConcurrentMode::Reject), Some(_)) => Err(ConfigError::invalid(
                 wait_field,
-                "only applies with concurrent = \"wait\"",
+                "only applies with concurrent = \"wait\" (a provider route waits unless it \
+                 sets concurrent = \"reject\")",
             )),
-            (ConcurrentMode::Reject, None) => Ok(Concurrent::Reject),
-            (ConcurrentMode::Wait, wait) => {
-                Ok(Concurrent::Wait(wait.unwrap_or(DEFAULT_WAIT_TIMEOUT)))
-            }
+            (Some(ConcurrentMode::Reject), None) => Ok(Some(Concurrent::Reject)),
+            (Some(ConcurrentMode::Wait) | None, Some(wait)) => Ok(Some(Concurrent::Wait(wait))),
+            (Some(ConcurrentMode::Wait), None) if provider_route => Ok(None),
+            (Some(ConcurrentMode::Wait), None) => Ok(Some(Concurrent::Wait(DEFAULT_WAIT_TIMEOUT))),
+            (None, None) => Ok(None),
         }
     }
 
-    /// `lease`, at least [`MIN_LEASE`] and long enough to outlast a renewal.
-    fn lease(&self, field: &str, store_timeout: Duration) -> Result<Duration, ConfigError> {
-        let lease = match self.lease {
-            Some(lease) => nonzero(field, lease)?,
-            None => DEFAULT_LEASE,
+    /// `lease` when set, at least [`MIN_LEASE`] and long enough to outlast a renewal.
+    fn lease(&self, field: &str, store_timeout: Duration) -> Result<Option<Duration>, ConfigError> {
+        let Some(lease) = self.lease else {
+            return Ok(None);
         };
+        let lease = nonzero(field, lease)?;
         if lease < MIN_LEASE {
             return Err(ConfigError::invalid(
                 field,
@@ -1156,7 +1408,7 @@ impl RouteFile {
         }
         lease_outlasts_a_renewal(lease, store_timeout)
             .map_err(|why| ConfigError::invalid(field, why))?;
-        Ok(lease)
+        Ok(Some(lease))
     }
 }
 
@@ -1224,6 +1476,7 @@ mod tests {
     }
 
     /// One setting's value in a policy's `Debug` form (`name: value`, up to the next field).
+    #[cfg_attr(not(feature = "webhooks"), allow(dead_code))]
     fn debug_field<'a>(debug: &'a str, name: &str) -> &'a str {
         let start = debug
             .find(&format!("{name}: "))
@@ -1244,8 +1497,41 @@ mod tests {
         &rest[..end]
     }
 
+    /// The secret every variable but the ones below holds in [`test_env`].
+    #[cfg(feature = "webhooks")]
+    const TEST_SECRET: &str = "s3cr3t-value-for-tests";
+    /// What `STANDARD…` variables hold: a Standard Webhooks secret.
+    #[cfg(feature = "webhooks")]
+    const TEST_WHSEC: &str = "whsec_czNjcjN0LXZhbHVlLWZvci10ZXN0cw==";
+
+    /// The environment the tests' provider routes read, never the test process's own: a
+    /// variable named `UNSET…` is not set, `EMPTY…` is empty, `NOT_BASE64…` holds a Standard
+    /// Webhooks secret that is not base64, `STANDARD…` a good one, any other [`TEST_SECRET`].
+    #[cfg(feature = "webhooks")]
+    fn test_env(names: &[String]) -> Result<Secrets, SetupError> {
+        let values = names
+            .iter()
+            .map(|name| match name.as_str() {
+                unset if unset.starts_with("UNSET") => Err(SetupError::MissingEnv {
+                    name: unset.to_owned(),
+                }),
+                empty if empty.starts_with("EMPTY") => Err(SetupError::EmptySecret {
+                    from: format!("from the environment variable {empty}"),
+                }),
+                bad if bad.starts_with("NOT_BASE64") => Ok("whsec_s3cr3t*not!base64"),
+                standard if standard.starts_with("STANDARD") => Ok(TEST_WHSEC),
+                _ => Ok(TEST_SECRET),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Secrets::new(values)
+    }
+
     fn parse(text: &str) -> Result<Settings, ConfigError> {
-        FileConfig::from_toml(text, Path::new("test.toml"))?.validate()
+        let file = FileConfig::from_toml(text, Path::new("test.toml"))?;
+        #[cfg(feature = "webhooks")]
+        return file.validate_reading(test_env);
+        #[cfg(not(feature = "webhooks"))]
+        file.validate()
     }
 
     fn field_of(text: &str) -> String {
@@ -1772,41 +2058,289 @@ mod tests {
         let orders = format!("{:?}", s.route_by_name("orders").unwrap());
         assert!(orders.contains("mismatch_status: 409"), "{orders}");
 
-        let s = parse(include_str!("../../../config/webhooks.toml")).unwrap();
-        let by_name = |n: &str| s.route_by_name(n).unwrap_or_else(|| panic!("route {n}"));
-        for (name, key) in [
-            ("github", "key: Header(\"x-github-delivery\")"),
-            ("stripe", "key: JsonPointer(\"/id\")"),
-            ("shopify", "key: Header(\"x-shopify-webhook-id\")"),
-            ("standard-webhooks", "key: Header(\"webhook-id\")"),
-        ] {
-            let policy = format!("{:?}", by_name(name));
-            assert!(policy.contains(key), "{policy}");
-        }
-        for route in &s.routes {
-            let webhook = format!(
-                "{:?}",
-                RoutePolicy::preset(Preset::Webhook)
-                    .require_key(true)
-                    .scope_headers([])
-                    .ttl(Duration::from_secs(72 * 3600))
-            );
-            let policy = format!("{:?}", route.policy);
-            for setting in [
-                "unknown_outcome",
-                "store_statuses",
-                "ttl",
-                "require_key",
-                "scope_headers",
-            ] {
-                assert_eq!(
-                    debug_field(&policy, setting),
-                    debug_field(&webhook, setting),
-                    "{} is a webhook route",
-                    route.policy.route_name()
-                );
+        // Every route of the webhook sample is a provider route, verified, with its
+        // provider's setup; it is loaded here so that it cannot rot.
+        let text = include_str!("../../../config/webhooks.toml");
+        let file = FileConfig::from_toml(text, Path::new("webhooks.toml")).unwrap();
+        assert_eq!(file.routes.len(), 6);
+        assert!(
+            file.routes
+                .iter()
+                .all(|r| r.provider.is_some() && r.secret_env.is_some()),
+            "every route of config/webhooks.toml is a provider route with its secret's name"
+        );
+        #[cfg(feature = "webhooks")]
+        {
+            use idemgate::webhook::Provider;
+            let s = file.validate_reading(test_env).unwrap();
+            for provider in Provider::ALL {
+                let name = provider.as_str();
+                let route = s
+                    .routes
+                    .iter()
+                    .find(|r| r.policy.route_name() == name)
+                    .unwrap_or_else(|| panic!("no {name} route in config/webhooks.toml"));
+                let policy = format!("{:?}", route.policy);
+                assert!(policy.contains("verifier: Some("), "{policy}");
+                let preset = format!("{:?}", provider.policy());
+                for setting in [
+                    "key",
+                    "methods",
+                    "require_key",
+                    "scope_headers",
+                    "fingerprint_headers",
+                    "store_statuses",
+                    "unknown_outcome",
+                    "ttl",
+                    "concurrent",
+                ] {
+                    assert_eq!(
+                        debug_field(&policy, setting),
+                        debug_field(&preset, setting),
+                        "{name}: {setting}"
+                    );
+                }
+                assert!(route.prefix.starts_with("/webhooks/"), "{}", route.prefix);
             }
         }
+        #[cfg(not(feature = "webhooks"))]
+        assert_eq!(
+            file.validate().unwrap_err().field(),
+            Some("routes[0].provider")
+        );
+    }
+
+    /// A provider route starts from the provider's verified setup; only the keys the file
+    /// writes change it, and the top-level ttl does not shorten it.
+    #[cfg(feature = "webhooks")]
+    #[test]
+    fn a_provider_route_is_the_providers_setup_with_only_the_written_keys_changed() {
+        use idemgate::webhook::{DEFAULT_TOLERANCE, Provider};
+
+        let verified = |provider: Provider, public_url: Option<&str>| {
+            let secrets = test_env(&["ANY".to_owned()]).unwrap();
+            provider
+                .verified_policy(secrets, DEFAULT_TOLERANCE, public_url)
+                .unwrap()
+        };
+        let s = parse(
+            r#"
+            upstream = "http://127.0.0.1:3000"
+            ttl = "1h"
+            max_request_bytes = "1MiB"
+            [[routes]]
+            prefix = "/hooks/stripe"
+            provider = "stripe"
+            secret_env = "STRIPE_WEBHOOK_SECRET"
+            [[routes]]
+            prefix = "/hooks/slack"
+            provider = "slack"
+            secret_env = ["SLACK_SIGNING_SECRET", "SLACK_SIGNING_SECRET_NEXT"]
+            signature_tolerance = "2m"
+            name = "slack-events"
+            concurrent = "wait"
+            [[routes]]
+            prefix = "/hooks/github"
+            provider = "github"
+            secret_env = "GITHUB_WEBHOOK_SECRET"
+            preset = "webhook"
+            concurrent = "reject"
+            ttl = "7d"
+            fingerprint_headers = ["Content-Type"]
+            [[routes]]
+            prefix = "/hooks/twilio"
+            provider = "twilio"
+            secret_env = "TWILIO_AUTH_TOKEN"
+            public_url = "https://hooks.example.com/twilio"
+            wait_timeout = "3s"
+            "#,
+        )
+        .unwrap();
+        // Nothing but the top-level body cap is laid over the provider's setup: not the
+        // top-level ttl (the provider's 72 h stays), not the preset's concurrent or lease.
+        assert_same_policy(
+            &s.routes[0].policy,
+            verified(Provider::Stripe, None).max_request_bytes(1 << 20),
+        );
+        // concurrent = "wait" alone keeps the provider's bound (Slack's 2 s).
+        assert_same_policy(
+            &s.routes[1].policy,
+            verified(Provider::Slack, None)
+                .name("slack-events")
+                .max_request_bytes(1 << 20),
+        );
+        assert_same_policy(
+            &s.routes[2].policy,
+            verified(Provider::GitHub, None)
+                .max_request_bytes(1 << 20)
+                .concurrent(Concurrent::Reject)
+                .ttl(Duration::from_secs(7 * 86_400))
+                .fingerprint_headers([http::header::CONTENT_TYPE]),
+        );
+        // wait_timeout alone bounds the provider's wait.
+        assert_same_policy(
+            &s.routes[3].policy,
+            verified(Provider::Twilio, Some("https://hooks.example.com/twilio"))
+                .max_request_bytes(1 << 20)
+                .concurrent(Concurrent::Wait(Duration::from_secs(3))),
+        );
+        // Every provider's setup waits, which is what lets wait_timeout alone bound it.
+        for provider in Provider::ALL {
+            let policy = format!("{:?}", provider.policy());
+            assert!(
+                debug_field(&policy, "concurrent").starts_with("concurrent: Wait("),
+                "{policy}"
+            );
+        }
+        assert_eq!(
+            s.route_names().collect::<Vec<_>>(),
+            ["default", "stripe", "slack-events", "github", "twilio"]
+        );
+        // A route without a provider is as it was: its preset and the top-level ttl.
+        let plain = parse(
+            "upstream = \"http://127.0.0.1:3000\"\nttl = \"1h\"\n[[routes]]\nprefix = \"/a\"\npreset = \"webhook\"",
+        )
+        .unwrap();
+        assert_same_policy(
+            &plain.routes[0].policy,
+            RoutePolicy::webhook()
+                .name("/a")
+                .ttl(Duration::from_secs(3600)),
+        );
+    }
+
+    #[cfg(feature = "webhooks")]
+    #[test]
+    fn provider_mistakes_are_refused_naming_the_field_and_never_a_secret() {
+        let route = |lines: &str| {
+            format!("upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/a\"\n{lines}")
+        };
+        for (lines, field, hint) in [
+            (
+                "provider = \"gitlab\"\nsecret_env = \"S\"",
+                "routes[0].provider",
+                "\"github\", \"stripe\", \"shopify\", \"standard-webhooks\", \"slack\", \"twilio\"",
+            ),
+            (
+                "provider = \"stripe\"",
+                "routes[0].secret_env",
+                "required with provider = \"stripe\"",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = []",
+                "routes[0].secret_env",
+                "is empty",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = [\"A\", \"B=C\"]",
+                "routes[0].secret_env[1]",
+                "not the name of an environment variable",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = [\"STRIPE_WEBHOOK_SECRET\", \"UNSET_NEXT\"]",
+                "routes[0].secret_env",
+                "the environment variable UNSET_NEXT holds no webhook secret: it is not set",
+            ),
+            (
+                "provider = \"github\"\nsecret_env = \"EMPTY_SECRET\"",
+                "routes[0].secret_env",
+                "EMPTY_SECRET is empty",
+            ),
+            (
+                "provider = \"standard-webhooks\"\nsecret_env = \"NOT_BASE64_SECRET\"",
+                "routes[0].secret_env",
+                "not valid base64",
+            ),
+            (
+                "provider = \"twilio\"\nsecret_env = \"T\"",
+                "routes[0].public_url",
+                "required with provider = \"twilio\"",
+            ),
+            (
+                "provider = \"twilio\"\nsecret_env = \"T\"\npublic_url = \"/twilio\"",
+                "routes[0].public_url",
+                "absolute",
+            ),
+            (
+                "provider = \"github\"\nsecret_env = \"G\"\npublic_url = \"https://x.example/gh\"",
+                "routes[0].public_url",
+                "only twilio",
+            ),
+            (
+                "provider = \"github\"\nsecret_env = \"G\"\nsignature_tolerance = \"1m\"",
+                "routes[0].signature_tolerance",
+                "signs no timestamp",
+            ),
+            (
+                "provider = \"slack\"\nsecret_env = \"S\"\nsignature_tolerance = \"0s\"",
+                "routes[0].signature_tolerance",
+                "longer than zero",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = \"S\"\npreset = \"api\"",
+                "routes[0].preset",
+                "webhook route",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = \"S\"\nconcurrent = \"reject\"\nwait_timeout = \"1s\"",
+                "routes[0].wait_timeout",
+                "only applies with concurrent",
+            ),
+            (
+                "secret_env = \"S\"",
+                "routes[0].secret_env",
+                "only applies to a webhook provider route",
+            ),
+            (
+                "public_url = \"https://x.example\"",
+                "routes[0].public_url",
+                "only applies to a webhook provider route",
+            ),
+            (
+                "signature_tolerance = \"1m\"",
+                "routes[0].signature_tolerance",
+                "only applies to a webhook provider route",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = 5",
+                "routes[0].secret_env",
+                "environment variable",
+            ),
+            (
+                "provider = \"stripe\"\nsecret_env = \"S\"\nsignature_tolerance = \"soon\"",
+                "routes[0].signature_tolerance",
+                "not a duration",
+            ),
+        ] {
+            let text = route(lines);
+            let error = parse(&text).unwrap_err();
+            assert_eq!(error.field(), Some(field), "{text}\n{error}");
+            let told = idemgate::ErrorChain(&error).to_string();
+            assert!(told.contains(hint), "{text}\n{told}");
+            assert!(!told.contains("s3cr3t"), "a secret in an error: {told}");
+        }
+        // Two routes of one provider need names of their own.
+        let twice = route(
+            "provider = \"github\"\nsecret_env = \"A\"\n[[routes]]\nprefix = \"/b\"\nprovider = \"github\"\nsecret_env = \"B\"",
+        );
+        assert_eq!(field_of(&twice), "routes[1].name");
+        // A parsed provider route prints no secret either.
+        let s = parse(&route("provider = \"github\"\nsecret_env = \"G\"")).unwrap();
+        let shown = format!("{s:?}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
+    }
+
+    /// A gateway built without the `webhooks` feature refuses a provider route at start, and
+    /// says why.
+    #[cfg(not(feature = "webhooks"))]
+    #[test]
+    fn without_the_webhooks_feature_a_provider_route_is_refused() {
+        let error = parse(
+            "upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/a\"\nprovider = \"github\"\nsecret_env = \"G\"",
+        )
+        .unwrap_err();
+        assert_eq!(error.field(), Some("routes[0].provider"));
+        assert!(error.to_string().contains("`webhooks` feature"), "{error}");
     }
 
     #[test]

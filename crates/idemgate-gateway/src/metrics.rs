@@ -165,6 +165,8 @@ pub struct LayerCounters {
     pub fenced_completions: u64,
     /// Requests forwarded without protection (`on_store_error = "pass"`).
     pub unprotected_passes: u64,
+    /// Requests refused `401 invalid-signature` by a route's verifier, on every route.
+    pub signature_rejections: u64,
     /// Records this gateway holds in flight now.
     pub in_flight: u64,
 }
@@ -418,6 +420,11 @@ fn scrape_time(
             "Requests forwarded without protection because the store was down (on_store_error = \"pass\")",
             layer.unprotected_passes,
         ),
+        (
+            "idemgate_signature_rejections",
+            "Requests refused 401 invalid-signature by a webhook route's signature check, on every route (per route: idemgate_requests_total{outcome=\"signature_rejected\"}); nothing was claimed or forwarded",
+            layer.signature_rejections,
+        ),
     ];
     for (name, help, value) in counters {
         registry.register(name, help, ConstCounter::new(value));
@@ -633,6 +640,7 @@ mod tests {
             "memory",
             LayerCounters {
                 in_flight: 4,
+                signature_rejections: 3,
                 ..LayerCounters::default()
             },
             &DataLossStatus::default(),
@@ -641,6 +649,7 @@ mod tests {
             "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"executed\"} 2\n",
             "idemgate_requests_total{route=\"pay\\\"ments\",outcome=\"replayed\"} 1\n",
             "idemgate_records_in_flight 4\n",
+            "idemgate_signature_rejections_total 3\n",
             "idemgate_store_data_lost{backend=\"memory\"} 0\n",
             "idemgate_upstream_duration_seconds_bucket{le=\"0.005\"} 1\n",
             "idemgate_upstream_duration_seconds_bucket{le=\"+Inf\"} 2\n",

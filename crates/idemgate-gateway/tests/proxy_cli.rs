@@ -28,14 +28,142 @@ fn sample(name: &str) -> String {
     format!("{}/../../config/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The secrets config/webhooks.toml reads, by variable; set on the child only.
+const WEBHOOK_SECRETS: [(&str, &str); 6] = [
+    ("GITHUB_WEBHOOK_SECRET", "gh-s3cr3t-cli"),
+    ("STRIPE_WEBHOOK_SECRET", "whsec_s3cr3t-cli"),
+    ("SHOPIFY_WEBHOOK_SECRET", "shpss_s3cr3t-cli"),
+    (
+        "STANDARD_WEBHOOKS_SECRET",
+        "whsec_czNjcjN0LWNsaS1zdGFuZGFyZC13ZWJob29rcw==",
+    ),
+    ("SLACK_SIGNING_SECRET", "slack-s3cr3t-cli"),
+    ("TWILIO_AUTH_TOKEN", "twilio-s3cr3t-cli"),
+];
+
+/// `run` with none of config/webhooks.toml's secret variables inherited, then `env`.
+fn run_webhooks(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = gateway_command();
+    for (name, _) in WEBHOOK_SECRETS {
+        cmd.env_remove(name);
+    }
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run idemgate")
+}
+
 #[test]
 fn shipped_configs_pass_check_config() {
-    for name in ["idemgate.toml", "webhooks.toml"] {
-        let out = run(&["--check-config", "--config", &sample(name)], &[]);
-        assert!(out.status.success(), "{name}: {}", stderr(&out));
-        assert!(stdout(&out).starts_with("ok"), "{name}: {}", stdout(&out));
-        if name == "webhooks.toml" {
-            assert!(stdout(&out).contains("4 route(s)"), "{}", stdout(&out));
+    let out = run(
+        &["--check-config", "--config", &sample("idemgate.toml")],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("ok"), "{}", stdout(&out));
+
+    // The webhook routes read their secrets from the environment.
+    let webhooks = sample("webhooks.toml");
+    let check = ["--check-config", "--config", webhooks.as_str()];
+    let out = run_webhooks(&check, &WEBHOOK_SECRETS);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("ok"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("6 route(s)"), "{}", stdout(&out));
+    // Without them it is refused, naming the route's field and the first variable missing;
+    // with one missing, that one.
+    let out = run_webhooks(&check, &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("routes[0].secret_env") && err.contains("GITHUB_WEBHOOK_SECRET"),
+        "{err}"
+    );
+    let without_slack: Vec<_> = WEBHOOK_SECRETS
+        .into_iter()
+        .filter(|(name, _)| *name != "SLACK_SIGNING_SECRET")
+        .collect();
+    let out = run_webhooks(&check, &without_slack);
+    assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("routes[4].secret_env")
+            && err.contains("SLACK_SIGNING_SECRET")
+            && err.contains("not set"),
+        "{err}"
+    );
+    // An empty variable, and a Standard Webhooks secret that is not base64, are refused too;
+    // and neither output ever shows a secret.
+    let mut broken = WEBHOOK_SECRETS.to_vec();
+    broken[0].1 = "";
+    let out = run_webhooks(&check, &broken);
+    assert!(
+        stderr(&out).contains("GITHUB_WEBHOOK_SECRET is empty"),
+        "{}",
+        stderr(&out)
+    );
+    let mut broken = WEBHOOK_SECRETS.to_vec();
+    broken[3].1 = "whsec_s3cr3t*not*base64";
+    let out = run_webhooks(&check, &broken);
+    let err = stderr(&out);
+    assert!(
+        err.contains("routes[3].secret_env")
+            && err.contains("STANDARD_WEBHOOKS_SECRET")
+            && err.contains("base64"),
+        "{err}"
+    );
+    for out in [
+        run_webhooks(&check, &WEBHOOK_SECRETS),
+        run_webhooks(&check, &without_slack),
+        run_webhooks(&check, &broken),
+    ] {
+        let all = format!("{}{}", stdout(&out), stderr(&out));
+        assert!(!all.contains("s3cr3t"), "a secret was printed: {all}");
+    }
+}
+
+#[test]
+fn provider_route_mistakes_exit_non_zero_naming_the_field() {
+    let dir = TempDir::new();
+    let route = "upstream = \"http://127.0.0.1:3000\"\n[[routes]]\nprefix = \"/hooks\"\n";
+    let env = [("HOOK_SECRET", "s3cr3t-hook")];
+    let cases = [
+        (
+            "provider = \"gitlab\"\nsecret_env = \"HOOK_SECRET\"",
+            "routes[0].provider",
+            "\"standard-webhooks\"",
+        ),
+        ("provider = \"github\"", "routes[0].secret_env", "required"),
+        (
+            "provider = \"twilio\"\nsecret_env = \"HOOK_SECRET\"",
+            "routes[0].public_url",
+            "required",
+        ),
+        (
+            "provider = \"stripe\"\nsecret_env = [\"HOOK_SECRET\", \"IDEMGATE_TEST_SURELY_UNSET\"]",
+            "routes[0].secret_env",
+            "IDEMGATE_TEST_SURELY_UNSET",
+        ),
+        (
+            "provider = \"slack\"\nsecret_env = \"HOOK_SECRET\"\nsignature_tolerance = \"later\"",
+            "routes[0].signature_tolerance",
+            "not a duration",
+        ),
+    ];
+    for (lines, field, hint) in cases {
+        let path = dir.write("idemgate.toml", &format!("{route}{lines}"));
+        let path = path.to_str().unwrap();
+        for args in [
+            vec!["--check-config", "--config", path],
+            vec!["--config", path, "--listen", "127.0.0.1:0"],
+        ] {
+            let out = run(&args, &env);
+            assert_eq!(out.status.code(), Some(2), "{lines:?} was accepted");
+            let err = stderr(&out);
+            assert!(
+                err.contains(field) && err.contains(hint),
+                "for {lines:?} expected {field:?} and {hint:?} in: {err}"
+            );
+            assert!(!err.contains("s3cr3t"), "a secret was printed: {err}");
         }
     }
 }

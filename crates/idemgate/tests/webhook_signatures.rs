@@ -5,11 +5,13 @@
 //! app, and leaves no record.
 //!
 //! The deliveries come from `tests/webhook_senders/sign.mjs` (run with `node`; `.ci/install-deps`
-//! installs its packages). Without `node` or those packages the test says so and skips.
+//! installs its packages). Without `node` or those packages the test fails, saying what to
+//! install.
+
+#[path = "webhook_senders/deliveries.rs"]
+mod deliveries;
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
@@ -21,6 +23,8 @@ use http_body_util::BodyExt;
 use idemgate::webhook::{DEFAULT_TOLERANCE, Provider, Secrets};
 use idemgate::{Decision, IdempotencyLayer, MemoryStore, Outcome, Store};
 use tower::ServiceExt;
+
+use deliveries::Delivery;
 
 const SENDERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/webhook_senders");
 const TWILIO_PUBLIC_URL: &str = "https://hooks.example.com/twilio";
@@ -48,19 +52,6 @@ fn secrets(provider: Provider) -> [&'static str; 3] {
 
 fn prefix(provider: Provider) -> String {
     format!("/webhooks/{provider}")
-}
-
-#[derive(Debug, serde::Deserialize)]
-struct Delivery {
-    provider: String,
-    case: String,
-    accept: bool,
-    key: String,
-    route_path: String,
-    query: Option<String>,
-    headers: Vec<(String, String)>,
-    body: String,
-    signed_by: String,
 }
 
 impl Delivery {
@@ -92,39 +83,13 @@ impl Delivery {
     }
 }
 
-/// The SDK-signed deliveries. Panics, saying what to install, when node or the packages are
-/// missing: a test that skips itself would pass without checking anything.
+/// The SDK-signed deliveries, for the secrets above.
 fn signed_deliveries() -> Vec<Delivery> {
-    assert!(
-        Command::new("node").arg("--version").output().is_ok(),
-        "`node` is not installed; .ci/install-deps installs it"
-    );
-    assert!(
-        Path::new(SENDERS).join("node_modules").is_dir(),
-        "{SENDERS}/node_modules is missing; run .ci/install-deps (npm ci --prefix {SENDERS})"
-    );
-    let mut config = serde_json::json!({ "twilio_public_url": TWILIO_PUBLIC_URL, "secrets": {} });
-    for provider in Provider::ALL {
-        let [primary, secondary, wrong] = secrets(provider);
-        config["secrets"][provider.as_str()] =
-            serde_json::json!({ "primary": primary, "secondary": secondary, "wrong": wrong });
-    }
-    let mut node = Command::new("node")
-        .arg("sign.mjs")
-        .current_dir(SENDERS)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("node starts");
-    serde_json::to_writer(node.stdin.take().unwrap(), &config).unwrap();
-    let out = node.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "sign.mjs failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("sign.mjs prints deliveries")
+    deliveries::signed_deliveries(
+        SENDERS,
+        TWILIO_PUBLIC_URL,
+        Provider::ALL.map(|provider| (provider.as_str(), secrets(provider))),
+    )
 }
 
 /// The app behind the layer: records every body it is handed, answers `200`.

@@ -79,6 +79,8 @@ pub(crate) struct UpstreamState {
     last_headers: Mutex<Option<HeaderMap>>,
     /// Connections accepted.
     connections: AtomicU64,
+    /// Request bodies that reached the handler, those of up to 64 KiB.
+    bodies: Mutex<Vec<Bytes>>,
 }
 
 /// An HTTP/1.1 upstream on 127.0.0.1 that counts executions and echoes what it received.
@@ -158,6 +160,17 @@ impl TestUpstream {
         self.state.hits.lock().unwrap().values().sum()
     }
 
+    /// How many requests that reached the handler had exactly this body (of up to 64 KiB).
+    pub(crate) fn times_seen(&self, body: &[u8]) -> usize {
+        self.state
+            .bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|seen| seen.as_ref() == body)
+            .count()
+    }
+
     pub(crate) fn finished(&self) -> u64 {
         self.state.finished.load(Ordering::SeqCst)
     }
@@ -215,6 +228,9 @@ async fn handle(
         .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").into()))
         .collect();
     let body = req.into_body().collect().await?.to_bytes();
+    if body.len() <= 64 * 1024 {
+        state.bodies.lock().unwrap().push(body.clone());
+    }
     if let Some(ms) = delay {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }

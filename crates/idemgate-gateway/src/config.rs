@@ -145,7 +145,8 @@ pub struct FileConfig {
     pub admin_listen: Option<String>,
     /// The upstream's base URL (`http://host:port[/base/path]`).
     pub upstream: Option<String>,
-    /// `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    /// `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or
+    /// `redis-cluster://HOST:PORT[,HOST:PORT…]`.
     pub store: Option<String>,
     /// Record lifetime for every route that does not set its own (default: the preset's).
     #[serde(default, deserialize_with = "duration")]
@@ -391,12 +392,14 @@ pub enum StoreSpec {
     Memory,
     /// An embedded durable file.
     Redb(PathBuf),
-    /// A Redis server shared by several gateways (`redis://` or `rediss://` URL).
+    /// A Redis server shared by several gateways (`redis://` or `rediss://` URL), or a Redis
+    /// Cluster (`redis-cluster://` or `rediss-cluster://`, its nodes comma-separated).
     Redis(String),
 }
 
 impl StoreSpec {
-    /// Reads `memory`, `redb:PATH` or `redis://HOST:PORT[/DB]`.
+    /// Reads `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or
+    /// `redis-cluster://HOST:PORT[,HOST:PORT…]`.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
         if s == "memory" {
@@ -420,9 +423,37 @@ impl StoreSpec {
                 ));
             }
             Ok(StoreSpec::Redis(s.to_owned()))
+        } else if let Some(nodes) = s
+            .strip_prefix("redis-cluster://")
+            .or_else(|| s.strip_prefix("rediss-cluster://"))
+        {
+            if !cfg!(feature = "redis-cluster") {
+                return Err(format!(
+                    "{s:?}: a Redis Cluster needs idemgate built with the redis-cluster feature"
+                ));
+            }
+            if s.starts_with("rediss-cluster://") && !cfg!(feature = "redis-tls") {
+                return Err(format!(
+                    "{s:?}: rediss-cluster:// (TLS) needs idemgate built with the redis-tls feature"
+                ));
+            }
+            let nodes = nodes.rsplit_once('@').map_or(nodes, |(_, nodes)| nodes);
+            let nodes = nodes.split(['/', '?']).next().unwrap_or_default();
+            for node in nodes.split(',') {
+                let valid = node.rsplit_once(':').is_some_and(|(host, port)| {
+                    !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+                });
+                if !valid {
+                    return Err(format!(
+                        "{s:?}: {node:?} is not a node; expected redis-cluster://HOST:PORT[,HOST:PORT…]"
+                    ));
+                }
+            }
+            Ok(StoreSpec::Redis(s.to_owned()))
         } else {
             Err(format!(
-                "{s:?} is not a store; expected \"memory\", \"redb:PATH\" or \"redis://HOST:PORT[/DB]\""
+                "{s:?} is not a store; expected \"memory\", \"redb:PATH\", \"redis://HOST:PORT[/DB]\" \
+                 or \"redis-cluster://HOST:PORT[,HOST:PORT…]\""
             ))
         }
     }
@@ -433,7 +464,13 @@ impl fmt::Display for StoreSpec {
         match self {
             StoreSpec::Memory => f.write_str("memory"),
             StoreSpec::Redb(path) => write!(f, "redb:{}", path.display()),
-            // The URL may carry a password; show only scheme, host and port.
+            // The URL may carry a password; show only scheme, hosts and ports.
+            StoreSpec::Redis(url) if url.contains("-cluster://") => {
+                let (scheme, rest) = url.split_once("://").unwrap_or(("redis-cluster", url));
+                let nodes = rest.rsplit_once('@').map_or(rest, |(_, nodes)| nodes);
+                let nodes = nodes.split(['/', '?']).next().unwrap_or_default();
+                write!(f, "{scheme}://{nodes}")
+            }
             StoreSpec::Redis(url) => match url.parse::<Uri>() {
                 Ok(uri) => write!(
                     f,
@@ -1382,6 +1419,30 @@ mod tests {
         }
         let shown = StoreSpec::Redis("redis://user:secret@cache:6380/1".into()).to_string();
         assert!(!shown.contains("secret"), "{shown}");
+
+        // A cluster: its nodes, each HOST:PORT, checked at --check-config.
+        let cluster = "redis-cluster://:secret@10.0.0.1:7000,10.0.0.2:7001";
+        if cfg!(feature = "redis-cluster") {
+            assert_eq!(
+                StoreSpec::parse(cluster),
+                Ok(StoreSpec::Redis(cluster.into()))
+            );
+            let shown = StoreSpec::parse(cluster).unwrap().to_string();
+            assert_eq!(shown, "redis-cluster://10.0.0.1:7000,10.0.0.2:7001");
+            for bad in [
+                "redis-cluster://",
+                "redis-cluster://a:7000,",
+                "redis-cluster://a",
+                "redis-cluster://:7000",
+                "redis-cluster://a:port",
+                "redis-cluster://a:0",
+            ] {
+                let why = StoreSpec::parse(bad).unwrap_err();
+                assert!(why.contains("HOST:PORT"), "{bad:?}: {why}");
+            }
+        } else {
+            assert!(StoreSpec::parse(cluster).is_err_and(|why| why.contains("redis-cluster")));
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! End to end, the stores under the real `idemgate` binary: two gateways sharing one Redis,
-//! Redis killed, hung and restarted under traffic, and a redb file surviving `kill -9` of the
-//! gateway. Every process here (gateways, `redis-server`) is started by the test and killed by
-//! its own pid when dropped.
+//! End to end, the stores under the real `idemgate` binary: two gateways sharing one Redis
+//! (and one Redis Cluster), Redis killed, hung and restarted under traffic, and a redb file
+//! surviving `kill -9` of the gateway. Every process here (gateways, `redis-server`) is
+//! started by the test and killed by its own pid when dropped.
 
 #[path = "support/proxy.rs"]
 mod support;
@@ -41,12 +41,35 @@ fn assert_store_unavailable(r: &Resp) {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_gateways_on_one_redis_execute_fifty_concurrent_requests_once() {
     let redis = test_servers::RedisServer::start();
+    two_gateways_execute_fifty_concurrent_requests_once(&redis.url()).await;
+}
+
+#[cfg(feature = "redis-cluster")]
+#[tokio::test(flavor = "multi_thread")]
+async fn two_gateways_on_one_redis_cluster_execute_fifty_concurrent_requests_once() {
+    let cluster = tokio::task::block_in_place(test_servers::RedisCluster::start);
+    two_gateways_execute_fifty_concurrent_requests_once(&cluster.url()).await;
+}
+
+/// Two gateways on the store at `store` (shared): 50 concurrent requests with one key, spread
+/// over both, run upstream once, and both gateways replay the same bytes.
+#[cfg(feature = "redis")]
+async fn two_gateways_execute_fifty_concurrent_requests_once(store: &str) {
     let upstream = TestUpstream::start().await;
     let dir = TempDir::new();
     let gateways = [
-        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
-        Gateway::start_configured(&dir, &upstream, &redis.url(), "", &[]),
+        Gateway::start_configured(&dir, &upstream, store, "", &[]),
+        Gateway::start_configured(&dir, &upstream, store, "", &[]),
     ];
+    // Ready first: a gateway's first contact with a fresh cluster writes a data marker in
+    // every slot, which takes longer than one request may wait.
+    for gw in &gateways {
+        eventually(100, || async {
+            (admin_get(gw, "/readyz", &[]).await.status == 200).then_some(())
+        })
+        .await
+        .expect("the gateway gets ready");
+    }
     let urls = gateways.each_ref().map(|gw| gw.url("/race"));
 
     // All 50 start together; the upstream takes 300 ms, so they overlap on both gateways.

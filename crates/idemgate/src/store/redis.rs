@@ -345,6 +345,9 @@ struct MarkerState {
     per_slot: bool,
     /// The value this store expects; `None` before its first contact with Redis.
     expected: Mutex<Option<Arc<[u8]>>>,
+    /// Held while a first contact adopts the marker, so that calls arriving together make
+    /// one first contact (on a cluster it may write a marker in every slot).
+    adopting: tokio::sync::Mutex<()>,
     /// The loss found and not yet acknowledged; claims are refused meanwhile.
     lost: Mutex<Option<DataLoss>>,
     /// Losses found since the store was set up.
@@ -486,6 +489,7 @@ impl RedisStore {
                 #[cfg(feature = "redis-cluster")]
                 per_slot,
                 expected: Mutex::new(None),
+                adopting: tokio::sync::Mutex::new(()),
                 lost: Mutex::new(None),
                 detected: AtomicU64::new(0),
             }),
@@ -563,6 +567,10 @@ impl RedisStore {
     /// The data marker's value this store expects, adopting the one in Redis (or writing
     /// one) at first contact.
     async fn expected_marker(&self) -> Result<Arc<[u8]>, StoreError> {
+        if let Some(value) = self.marker_slot().clone() {
+            return Ok(value);
+        }
+        let _adopting = self.marker.adopting.lock().await;
         if let Some(value) = self.marker_slot().clone() {
             return Ok(value);
         }
@@ -644,7 +652,7 @@ impl RedisStore {
     /// a marker gone or changed is a data loss.
     async fn check_marker(&self) -> Result<(), StoreError> {
         let Some(expected) = self.marker_slot().clone() else {
-            let _adopted = self.adopt_marker(false).await?;
+            let _adopted = self.expected_marker().await?;
             // A cluster's markers are checked slot by slot even at first contact: a node may
             // have lost its slots' markers before this store started.
             #[cfg(feature = "redis-cluster")]

@@ -12,10 +12,9 @@
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use idemgate::record::{FingerprintHash, OwnerToken, RecordKey};
-use idemgate::store::{
-    Claim, ClaimOptions, RedisStore, RedisStoreConfig, Store, StoreError, UnknownOutcome,
-};
+use idemgate::record::{OwnerToken, RecordKey};
+use idemgate::store::conformance as checks;
+use idemgate::store::{Claim, RedisStore, RedisStoreConfig, Store, StoreError};
 use test_servers::RedisCluster;
 
 /// The cluster the conformance checks share; its nodes are killed when the test binary exits
@@ -51,41 +50,20 @@ async fn connect(config: RedisStoreConfig) -> RedisStore {
         .unwrap_or_else(|e| panic!("connect to the test cluster: {}", chain(&e)))
 }
 
+/// An error and its causes on one line.
 fn chain(error: &StoreError) -> String {
-    let mut text = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
-fn options() -> ClaimOptions {
-    ClaimOptions {
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-        on_lapse: UnknownOutcome::Ambiguous,
-    }
+    idemgate::ErrorChain(error).to_string()
 }
 
 fn key(name: &str) -> RecordKey {
     RecordKey::of(name.as_bytes())
 }
 
-fn fingerprint(name: &str) -> FingerprintHash {
-    FingerprintHash::of(format!("fingerprint {name}").as_bytes())
-}
-
+/// Claims `name`'s key (a long lease and ttl) under a fresh token.
 async fn claim(store: &RedisStore, name: &str) -> Result<Claim, StoreError> {
+    let (fingerprint, options) = (checks::fingerprint(name), checks::long_options());
     store
-        .claim(
-            &key(name),
-            &fingerprint(name),
-            OwnerToken::generate(),
-            &options(),
-        )
+        .claim(&key(name), &fingerprint, OwnerToken::generate(), &options)
         .await
 }
 

@@ -213,9 +213,16 @@ impl Persistence {
 /// and refuses new claims with a [`StoreError::Unavailable`] until an operator calls
 /// [`acknowledge_data_loss`](RedisStore::acknowledge_data_loss) (the proxy's `POST
 /// /admin/store/acknowledge-data-loss`). Replays of records that still exist are served
-/// meanwhile. A store set up after the loss cannot tell it from a first start. The claim
-/// script's two keys (record and marker) are on different Redis Cluster slots: the store
-/// does not suit a Redis Cluster.
+/// meanwhile. A store set up after the loss cannot tell it from a first start.
+///
+/// On a Redis Cluster (`redis-cluster://`, the `redis-cluster` feature) a script may touch
+/// one slot only, so there is a marker per slot, `{key_prefix}data-marker:{TAG}` with `TAG`
+/// chosen to land on it, and a claim checks the one in its record's slot: a node that lost
+/// its data has its slots' claims refused while the other slots go on. A flag in slot 0
+/// holds the value every marker was written with; the first store writes every slot's
+/// marker, then the flag, and later stores adopt the flag's value without filling in
+/// missing markers, so a loss is never covered up. An acknowledgement writes a fresh value
+/// to every slot. The whole design is in `docs/stores.md`.
 ///
 /// # What a failover can still lose
 ///

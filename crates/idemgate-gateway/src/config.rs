@@ -148,7 +148,8 @@ pub struct FileConfig {
     pub admin_listen: Option<String>,
     /// The upstream's base URL (`http://host:port[/base/path]`).
     pub upstream: Option<String>,
-    /// `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or `postgres://USER@HOST[:PORT]/DB`.
+    /// `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]`,
+    /// `redis-cluster://HOST:PORT[,HOST:PORT…]` or `postgres://USER@HOST[:PORT]/DB`.
     pub store: Option<String>,
     /// Record lifetime for every route that does not set its own (default: the preset's).
     #[serde(default, deserialize_with = "duration")]
@@ -436,7 +437,8 @@ pub enum StoreSpec {
     Memory,
     /// An embedded durable file.
     Redb(PathBuf),
-    /// A Redis server shared by several gateways (`redis://` or `rediss://` URL).
+    /// A Redis server shared by several gateways (`redis://` or `rediss://` URL), or a Redis
+    /// Cluster (`redis-cluster://` or `rediss-cluster://`, its nodes comma-separated).
     Redis(String),
     /// A PostgreSQL database shared by several gateways (`postgres://` or `postgresql://`
     /// URL; the password from the URL or `PGPASSWORD`).
@@ -445,9 +447,12 @@ pub enum StoreSpec {
 
 impl StoreSpec {
     /// Reads `memory`, `redb:PATH`, `redis://HOST:PORT[/DB]` or
-    /// `postgres://USER@HOST[:PORT]/DB`. A refusal never repeats a URL's password.
+    /// `redis-cluster://HOST:PORT[,HOST:PORT…]` or `postgres://USER@HOST[:PORT]/DB`. A refusal
+    /// never repeats a URL's password.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
+        // What a refusal may repeat of `s`: the URL without its `user:password@`.
+        let shown = without_credentials(s);
         if s == "memory" {
             Ok(StoreSpec::Memory)
         } else if let Some(path) = s.strip_prefix("redb:") {
@@ -457,24 +462,51 @@ impl StoreSpec {
             Ok(StoreSpec::Redb(PathBuf::from(path)))
         } else if s.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
             Err(format!(
-                "{s:?}: rediss:// (TLS) needs idemgate built with the redis-tls feature"
+                "{shown:?}: rediss:// (TLS) needs idemgate built with the redis-tls feature"
             ))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             let uri: Uri = s
                 .parse()
-                .map_err(|e| format!("{s:?} is not a valid URL: {e}"))?;
+                .map_err(|e| format!("{shown:?} is not a valid URL: {e}"))?;
             if uri.host().is_none_or(str::is_empty) {
                 return Err(format!(
-                    "{s:?} names no host; expected redis://HOST:PORT[/DB]"
+                    "{shown:?} names no host; expected redis://HOST:PORT[/DB]"
                 ));
+            }
+            Ok(StoreSpec::Redis(s.to_owned()))
+        } else if let Some(nodes) = s
+            .strip_prefix("redis-cluster://")
+            .or_else(|| s.strip_prefix("rediss-cluster://"))
+        {
+            if !cfg!(feature = "redis-cluster") {
+                return Err(format!(
+                    "{shown:?}: a Redis Cluster needs idemgate built with the redis-cluster feature"
+                ));
+            }
+            if s.starts_with("rediss-cluster://") && !cfg!(feature = "redis-tls") {
+                return Err(format!(
+                    "{shown:?}: rediss-cluster:// (TLS) needs idemgate built with the redis-tls feature"
+                ));
+            }
+            let nodes = nodes.rsplit_once('@').map_or(nodes, |(_, nodes)| nodes);
+            let nodes = nodes.split(['/', '?']).next().unwrap_or_default();
+            for node in nodes.split(',') {
+                let valid = node.rsplit_once(':').is_some_and(|(host, port)| {
+                    !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+                });
+                if !valid {
+                    return Err(format!(
+                        "{shown:?}: {node:?} is not a node; expected redis-cluster://HOST:PORT[,HOST:PORT…]"
+                    ));
+                }
             }
             Ok(StoreSpec::Redis(s.to_owned()))
         } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
             parse_postgres(s)
         } else {
             Err(format!(
-                "{s:?} is not a store; expected \"memory\", \"redb:PATH\", \"redis://HOST:PORT[/DB]\" \
-                 or \"postgres://USER@HOST[:PORT]/DB\""
+                "{shown:?} is not a store; expected \"memory\", \"redb:PATH\", \"redis://HOST:PORT[/DB]\", \
+                 \"redis-cluster://HOST:PORT[,HOST:PORT…]\" or \"postgres://USER@HOST[:PORT]/DB\""
             ))
         }
     }
@@ -505,12 +537,30 @@ fn parse_postgres(_url: &str) -> Result<StoreSpec, String> {
     ))
 }
 
+/// `url` without the `user:password@` part of its authority, if it has one.
+fn without_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+        None => url.to_owned(),
+    }
+}
+
 impl fmt::Display for StoreSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreSpec::Memory => f.write_str("memory"),
             StoreSpec::Redb(path) => write!(f, "redb:{}", path.display()),
-            // The URL may carry a password; show only scheme, host and port.
+            // The URL may carry a password; show only scheme, hosts and ports.
+            StoreSpec::Redis(url) if url.contains("-cluster://") => {
+                let (scheme, rest) = url.split_once("://").unwrap_or(("redis-cluster", url));
+                let nodes = rest.rsplit_once('@').map_or(rest, |(_, nodes)| nodes);
+                let nodes = nodes.split(['/', '?']).next().unwrap_or_default();
+                write!(f, "{scheme}://{nodes}")
+            }
             StoreSpec::Redis(url) => match url.parse::<Uri>() {
                 Ok(uri) => write!(
                     f,
@@ -1669,6 +1719,19 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_redis_store_never_repeats_its_password() {
+        for spec in [
+            "redis://user:hunter2@:6379",
+            "redis-cluster://user:hunter2@127.0.0.1:7000,127.0.0.1",
+            "rediss-cluster://:hunter2@127.0.0.1:x",
+            "redisx://user:hunter2@127.0.0.1:6379",
+        ] {
+            let refused = StoreSpec::parse(spec).expect_err(spec);
+            assert!(!refused.contains("hunter2"), "{spec}: {refused}");
+        }
+    }
+
+    #[test]
     fn sizes_read_with_units() {
         assert_eq!(parse_byte_size("64KiB"), Ok(65_536));
         assert_eq!(parse_byte_size("10MiB"), Ok(10 << 20));
@@ -1727,6 +1790,30 @@ mod tests {
         }
         let shown = StoreSpec::Redis("redis://user:secret@cache:6380/1".into()).to_string();
         assert!(!shown.contains("secret"), "{shown}");
+
+        // A cluster: its nodes, each HOST:PORT, checked at --check-config.
+        let cluster = "redis-cluster://:secret@10.0.0.1:7000,10.0.0.2:7001";
+        if cfg!(feature = "redis-cluster") {
+            assert_eq!(
+                StoreSpec::parse(cluster),
+                Ok(StoreSpec::Redis(cluster.into()))
+            );
+            let shown = StoreSpec::parse(cluster).unwrap().to_string();
+            assert_eq!(shown, "redis-cluster://10.0.0.1:7000,10.0.0.2:7001");
+            for bad in [
+                "redis-cluster://",
+                "redis-cluster://a:7000,",
+                "redis-cluster://a",
+                "redis-cluster://:7000",
+                "redis-cluster://a:port",
+                "redis-cluster://a:0",
+            ] {
+                let why = StoreSpec::parse(bad).unwrap_err();
+                assert!(why.contains("HOST:PORT"), "{bad:?}: {why}");
+            }
+        } else {
+            assert!(StoreSpec::parse(cluster).is_err_and(|why| why.contains("redis-cluster")));
+        }
     }
 
     #[test]

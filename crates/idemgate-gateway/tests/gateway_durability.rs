@@ -1,7 +1,7 @@
-//! End to end, the stores under the real `idemgate` binary: two gateways sharing one Redis,
-//! Redis killed, hung and restarted under traffic, and a redb file surviving `kill -9` of the
-//! gateway. Every process here (gateways, `redis-server`) is started by the test and killed by
-//! its own pid when dropped.
+//! End to end, the stores under the real `idemgate` binary: two gateways sharing one Redis
+//! (and one Redis Cluster), Redis killed, hung and restarted under traffic, and a redb file
+//! surviving `kill -9` of the gateway. Every process here (gateways, `redis-server`) is
+//! started by the test and killed by its own pid when dropped.
 
 #[path = "support/shared_store.rs"]
 mod shared_store;
@@ -22,6 +22,13 @@ use support::{
 async fn two_gateways_on_one_redis_execute_fifty_concurrent_requests_once() {
     let redis = test_servers::RedisServer::start();
     shared_store::two_gateways_execute_fifty_concurrent_requests_once(&redis.url(), "").await;
+}
+
+#[cfg(feature = "redis-cluster")]
+#[tokio::test(flavor = "multi_thread")]
+async fn two_gateways_on_one_redis_cluster_execute_fifty_concurrent_requests_once() {
+    let cluster = tokio::task::block_in_place(test_servers::RedisCluster::start);
+    shared_store::two_gateways_execute_fifty_concurrent_requests_once(&cluster.url(), "").await;
 }
 
 // ---- Redis killed and restarted under traffic ---------------------------------------------

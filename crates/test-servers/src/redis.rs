@@ -281,7 +281,7 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn answers_ping(addr: SocketAddr) -> bool {
+pub(crate) fn answers_ping(addr: SocketAddr) -> bool {
     let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
         return false;
     };

@@ -98,6 +98,15 @@ pub(crate) async fn two_gateways_execute_fifty_concurrent_requests_once(store: &
         Gateway::start_configured(&dir, &upstream, store, config, &[]),
         Gateway::start_configured(&dir, &upstream, store, config, &[]),
     ];
+    // Ready first: a gateway's first contact with a fresh Redis Cluster writes a data marker
+    // in every slot, which takes longer than one request may wait.
+    for gw in &gateways {
+        eventually(100, || async {
+            (admin_get(gw, "/readyz", &[]).await.status == 200).then_some(())
+        })
+        .await
+        .expect("the gateway gets ready");
+    }
     let urls = gateways.each_ref().map(|gw| gw.url("/race"));
 
     // All 50 start together; the upstream takes 300 ms, so they overlap on both gateways.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisFuture, ServerErrorKind, Value};
 
 use super::{
     BoxError, Claim, ClaimOptions, DataLoss, DataLossStatus, Store, StoreError, Transition,
@@ -21,6 +21,9 @@ use super::{
 use crate::record::{
     Completion, DecodeError, FingerprintHash, OwnerToken, Record, RecordKey, from_unix_millis,
 };
+
+#[cfg(feature = "redis-cluster")]
+mod cluster;
 
 const BACKEND: &str = "redis";
 
@@ -35,7 +38,10 @@ pub struct RedisStoreConfig {
     /// Where Redis is: `redis://[[user]:password@]host[:port][/db]`, `rediss://…` for TLS
     /// (with the `redis-tls` feature, on by default; the server's certificate is checked
     /// against the system's trusted roots, or those in `SSL_CERT_FILE` / `SSL_CERT_DIR` when
-    /// set), or `redis+unix:///path/to/socket`. Never logged with its password.
+    /// set), or `redis+unix:///path/to/socket`. A Redis Cluster (with the `redis-cluster`
+    /// feature) is `redis-cluster://[[user]:password@]host:port[,host:port…]`, any of its
+    /// nodes (the others are found from them), or `rediss-cluster://…` for TLS. Never logged
+    /// with its password.
     pub url: String,
     /// Prepended to every key this store writes, so one Redis can serve several
     /// applications. Default [`DEFAULT_KEY_PREFIX`](Self::DEFAULT_KEY_PREFIX).
@@ -124,6 +130,18 @@ impl Persistence {
         }
     }
 
+    /// How likely a node with this setting is to lose records, lowest first: of a cluster's
+    /// nodes, the one that ranks lowest is reported.
+    fn risk_rank(&self) -> u8 {
+        match self {
+            Self::NotAppendOnly => 0,
+            Self::AppendOnly { fsync } if fsync == "no" => 1,
+            Self::Unknown => 2,
+            Self::AppendOnly { fsync } if fsync == "always" => 4,
+            Self::AppendOnly { .. } => 3,
+        }
+    }
+
     /// The warning to log for this setting, if it can lose records a restart should keep.
     fn warning(&self) -> Option<&'static str> {
         match self {
@@ -195,9 +213,16 @@ impl Persistence {
 /// and refuses new claims with a [`StoreError::Unavailable`] until an operator calls
 /// [`acknowledge_data_loss`](RedisStore::acknowledge_data_loss) (the proxy's `POST
 /// /admin/store/acknowledge-data-loss`). Replays of records that still exist are served
-/// meanwhile. A store set up after the loss cannot tell it from a first start. The claim
-/// script's two keys (record and marker) are on different Redis Cluster slots: the store
-/// does not suit a Redis Cluster.
+/// meanwhile. A store set up after the loss cannot tell it from a first start.
+///
+/// On a Redis Cluster (`redis-cluster://`, the `redis-cluster` feature) a script may touch
+/// one slot only, so there is a marker per slot, `{key_prefix}data-marker:{TAG}` with `TAG`
+/// chosen to land on it, and a claim checks the one in its record's slot: a node that lost
+/// its data has its slots' claims refused while the other slots go on. A flag in slot 0
+/// holds the value every marker was written with; the first store writes every slot's
+/// marker, then the flag, and later stores adopt the flag's value without filling in
+/// missing markers, so a loss is never covered up. An acknowledgement writes a fresh value
+/// to every slot. The whole design is in `docs/stores.md`.
 ///
 /// # What a failover can still lose
 ///
@@ -229,7 +254,7 @@ impl Persistence {
 /// too does the claim stay until its lease lapses, as when a gateway dies.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     scripts: Arc<Scripts>,
     key_prefix: Arc<[u8]>,
     timeout: Duration,
@@ -240,15 +265,96 @@ pub struct RedisStore {
     marker: Arc<MarkerState>,
 }
 
+/// The connection: to one Redis, or to a Redis Cluster (whose client routes each command to
+/// the node serving its key's slot, follows `MOVED` and `ASK`, and sends `SCRIPT LOAD` to every
+/// node).
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    #[cfg(feature = "redis-cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Connection {
+    /// `cmd` on every node (one, unless a cluster), each node's answer on its own: a node
+    /// that refuses the command (an error reply) does not hide the others' answers.
+    async fn on_every_node(
+        &mut self,
+        cmd: &Cmd,
+    ) -> redis::RedisResult<Vec<redis::RedisResult<Value>>> {
+        match self {
+            Self::Single(connection) => match cmd.query_async(connection).await {
+                Err(e) if matches!(e.kind(), ErrorKind::Server(_)) => Ok(vec![Err(e)]),
+                answer => Ok(vec![Ok(answer?)]),
+            },
+            #[cfg(feature = "redis-cluster")]
+            Self::Cluster(connection) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllNodes, None));
+                let Value::Map(answers) = connection.route_command(cmd.clone(), routing).await?
+                else {
+                    return Err((ErrorKind::Parse, "unexpected answer from every node").into());
+                };
+                Ok(answers
+                    .into_iter()
+                    .map(|(_node, answer)| match answer {
+                        Value::ServerError(e) => Err(e.into()),
+                        answer => Ok(answer),
+                    })
+                    .collect())
+            }
+        }
+    }
+}
+
+impl redis::aio::ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(connection) => connection.req_packed_command(cmd),
+            #[cfg(feature = "redis-cluster")]
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(connection) => connection.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "redis-cluster")]
+            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(connection) => connection.get_db(),
+            #[cfg(feature = "redis-cluster")]
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
 /// The data marker: a key without a TTL, `{key_prefix}data-marker`, holding a random value.
 /// The store adopts its value at first contact (writing one if there is none) and expects
 /// it from then on: a marker that vanished or changed means Redis lost the records this
 /// store kept (a restart without persistence, a `FLUSHALL`, a failover to an empty replica).
 #[derive(Debug)]
 struct MarkerState {
+    /// One Redis: the marker. A cluster: the key prefix; the markers are one per slot (see
+    /// the `cluster` module).
     key: Vec<u8>,
+    /// Whether there is a marker per slot (a Redis Cluster) rather than one.
+    #[cfg(feature = "redis-cluster")]
+    per_slot: bool,
     /// The value this store expects; `None` before its first contact with Redis.
     expected: Mutex<Option<Arc<[u8]>>>,
+    /// Held while a first contact adopts the marker, so that calls arriving together make
+    /// one first contact (on a cluster it may write a marker in every slot).
+    adopting: tokio::sync::Mutex<()>,
     /// The loss found and not yet acknowledged; claims are refused meanwhile.
     lost: Mutex<Option<DataLoss>>,
     /// Losses found since the store was set up.
@@ -338,7 +444,7 @@ impl RedisStore {
                 None,
             ));
         }
-        if config.url.starts_with("rediss:") {
+        if config.url.starts_with("rediss:") || config.url.starts_with("rediss-cluster:") {
             #[cfg(feature = "redis-tls")]
             {
                 // rustls needs a process-wide cryptography provider; one installed already
@@ -351,17 +457,29 @@ impl RedisStore {
                 None,
             ));
         }
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| fail("invalid url", Some(e.into())))?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.timeout))
-            // One attempt per reconnection: a failed call triggers the next one, so recovery
-            // starts with the first call after Redis is back instead of after a backoff.
-            .set_number_of_retries(0);
-        let connection = ConnectionManager::new_lazy_with_config(client, manager_config)
-            .map_err(|e| fail("invalid connection settings", Some(e.into())))?;
-        let marker_key = [config.key_prefix.as_bytes(), b"data-marker"].concat();
+        let (connection, per_slot) = if config.url.starts_with("redis-cluster:")
+            || config.url.starts_with("rediss-cluster:")
+        {
+            (Self::cluster_connection(&config, &fail)?, true)
+        } else {
+            let client = redis::Client::open(config.url.as_str())
+                .map_err(|e| fail("invalid url", Some(e.into())))?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.connect_timeout))
+                .set_response_timeout(Some(config.timeout))
+                // One attempt per reconnection: a failed call triggers the next one, so
+                // recovery starts with the first call after Redis is back instead of after a
+                // backoff.
+                .set_number_of_retries(0);
+            let connection = ConnectionManager::new_lazy_with_config(client, manager_config)
+                .map_err(|e| fail("invalid connection settings", Some(e.into())))?;
+            (Connection::Single(connection), false)
+        };
+        let marker_key = if per_slot {
+            config.key_prefix.as_bytes().to_vec()
+        } else {
+            [config.key_prefix.as_bytes(), b"data-marker"].concat()
+        };
         Ok(Self {
             connection,
             scripts: Arc::new(Scripts::new()),
@@ -375,12 +493,51 @@ impl RedisStore {
             }),
             marker: Arc::new(MarkerState {
                 key: marker_key,
+                #[cfg(feature = "redis-cluster")]
+                per_slot,
                 expected: Mutex::new(None),
+                adopting: tokio::sync::Mutex::new(()),
                 lost: Mutex::new(None),
                 detected: AtomicU64::new(0),
             }),
             persistence: Arc::new(Mutex::new(None)),
         })
+    }
+
+    /// A Redis Cluster client for a `redis-cluster://` URL, connecting on first use. It
+    /// follows `MOVED` and `ASK` and retries a call while the cluster fails over, each
+    /// attempt bounded by `connect_timeout` and `timeout`, the whole call by `timeout` (as
+    /// [`run`](Self::run) bounds it).
+    #[cfg(feature = "redis-cluster")]
+    fn cluster_connection(
+        config: &RedisStoreConfig,
+        fail: &impl Fn(&'static str, Option<BoxError>) -> StoreError,
+    ) -> Result<Connection, StoreError> {
+        let nodes = match cluster::node_urls(&config.url) {
+            Some(Ok(nodes)) => nodes,
+            Some(Err(why)) => return Err(fail(why, None)),
+            None => return Err(fail("invalid url", None)),
+        };
+        let client = redis::cluster::ClusterClientBuilder::new(nodes)
+            .build()
+            .map_err(|e| fail("invalid url", Some(e.into())))?;
+        let cluster_config = redis::cluster::ClusterConfig::new()
+            .set_connection_timeout(config.connect_timeout)
+            .set_response_timeout(config.timeout);
+        Ok(Connection::Cluster(
+            client.get_pending_async_connection_with_config(cluster_config),
+        ))
+    }
+
+    #[cfg(not(feature = "redis-cluster"))]
+    fn cluster_connection(
+        _config: &RedisStoreConfig,
+        fail: &impl Fn(&'static str, Option<BoxError>) -> StoreError,
+    ) -> Result<Connection, StoreError> {
+        Err(fail(
+            "redis-cluster:// needs idemgate built with the redis-cluster feature",
+            None,
+        ))
     }
 
     /// What a (re)connected store does before anything else: loads every script, so the
@@ -401,12 +558,13 @@ impl RedisStore {
     }
 
     async fn sync_steps(&self) -> Result<(), StoreError> {
-        let mut load = redis::pipe();
-        for script in self.scripts.all() {
-            load.cmd("SCRIPT").arg("LOAD").arg(script.code);
-        }
+        // One command each: a cluster client sends each to every node, where a pipeline
+        // would go to one.
         let mut connection = self.connection.clone();
-        let _: Vec<String> = self.run(load.query_async(&mut connection)).await?;
+        for script in self.scripts.all() {
+            let load = redis::cmd("SCRIPT").arg("LOAD").arg(script.code).clone();
+            let _: String = self.run(load.query_async(&mut connection)).await?;
+        }
         self.check_marker().await?;
         self.check_persistence().await?;
         self.check_eviction_policy().await?;
@@ -416,6 +574,10 @@ impl RedisStore {
     /// The data marker's value this store expects, adopting the one in Redis (or writing
     /// one) at first contact.
     async fn expected_marker(&self) -> Result<Arc<[u8]>, StoreError> {
+        if let Some(value) = self.marker_slot().clone() {
+            return Ok(value);
+        }
+        let _adopting = self.marker.adopting.lock().await;
         if let Some(value) = self.marker_slot().clone() {
             return Ok(value);
         }
@@ -435,19 +597,16 @@ impl RedisStore {
     /// loss before this store started, which it cannot tell apart).
     async fn adopt_marker(&self, acknowledging: bool) -> Result<Arc<[u8]>, StoreError> {
         let fresh = format!("{:032x}", OwnerToken::generate().0);
-        let answer: Value = self
-            .run(self.eval(
-                &self.scripts.ensure_marker,
-                &[&self.marker.key],
-                &[fresh.as_bytes()],
-            ))
-            .await?;
-        let (created, value) = match answer {
-            Value::Array(items) => match items.as_slice() {
-                [Value::Int(created), Value::BulkString(value)] => (*created == 1, value.clone()),
-                _ => return Err(corrupt("unexpected data marker answer")),
-            },
-            _ => return Err(corrupt("unexpected data marker answer")),
+        let (created, value) = match () {
+            #[cfg(feature = "redis-cluster")]
+            () if self.marker.per_slot => {
+                self.adopt_slot_markers(acknowledging, fresh.as_bytes())
+                    .await?
+            }
+            () => {
+                self.ensure_marker(&self.marker.key, fresh.as_bytes())
+                    .await?
+            }
         };
         let value: Arc<[u8]> = value.into();
         let mut slot = self.marker_slot();
@@ -468,13 +627,51 @@ impl RedisStore {
         Ok(value)
     }
 
+    /// Writes `fresh` to the marker `key` if there is none; returns whether it did, and the
+    /// marker's value.
+    async fn ensure_marker(&self, key: &[u8], fresh: &[u8]) -> Result<(bool, Vec<u8>), StoreError> {
+        let answer: Value = self
+            .run(self.eval(&self.scripts.ensure_marker, &[key], &[fresh]))
+            .await?;
+        match answer {
+            Value::Array(items) => match items.as_slice() {
+                [Value::Int(created), Value::BulkString(value)] => {
+                    Ok((*created == 1, value.clone()))
+                }
+                _ => Err(corrupt("unexpected data marker answer")),
+            },
+            _ => Err(corrupt("unexpected data marker answer")),
+        }
+    }
+
+    /// The marker key a claim of the record at `record` (its Redis key) checks.
+    fn marker_key_for<'a>(&'a self, record: &[u8]) -> std::borrow::Cow<'a, [u8]> {
+        #[cfg(feature = "redis-cluster")]
+        if self.marker.per_slot {
+            return cluster::marker_key(&self.marker.key, cluster::slot(record)).into();
+        }
+        #[cfg(not(feature = "redis-cluster"))]
+        let _ = record;
+        std::borrow::Cow::Borrowed(&self.marker.key)
+    }
+
     /// Compares the marker in Redis with the one expected (adopting it at first contact);
     /// a marker gone or changed is a data loss.
     async fn check_marker(&self) -> Result<(), StoreError> {
         let Some(expected) = self.marker_slot().clone() else {
-            self.adopt_marker(false).await?;
+            let _adopted = self.expected_marker().await?;
+            // A cluster's markers are checked slot by slot even at first contact: a node may
+            // have lost its slots' markers before this store started.
+            #[cfg(feature = "redis-cluster")]
+            if self.marker.per_slot {
+                return self.check_slot_markers(&_adopted).await;
+            }
             return Ok(());
         };
+        #[cfg(feature = "redis-cluster")]
+        if self.marker.per_slot {
+            return self.check_slot_markers(&expected).await;
+        }
         let mut connection = self.connection.clone();
         let found: Option<Vec<u8>> = self
             .run(
@@ -572,16 +769,23 @@ impl RedisStore {
     /// Reads `appendonly` and `appendfsync` now, logs a warning for a setting that can lose
     /// records across a restart (see [`Persistence`]; once per answer, as for the eviction
     /// policy), and remembers the answer for [`persistence`](Self::persistence).
+    ///
+    /// On a Redis Cluster every node is asked (a replica is a primary after a failover), and
+    /// the answer is the node least likely to keep its records.
     pub async fn check_persistence(&self) -> Result<Persistence, StoreError> {
-        let appendonly = self.config_get("appendonly").await?;
-        let appendfsync = match appendonly {
-            Ok(_) => self.config_get("appendfsync").await?,
-            Err(()) => Err(()),
-        };
-        let persistence = match (appendonly, appendfsync) {
-            (Ok(only), Ok(fsync)) => Persistence::from_config(only.as_deref(), fsync.as_deref()),
-            _ => Persistence::Unknown,
-        };
+        // `append*`: appendonly and appendfsync in one command, on Redis before 7 too.
+        let nodes = self.config_get("append*").await?;
+        let persistence = nodes
+            .into_iter()
+            .map(|node| match node {
+                Ok(config) => Persistence::from_config(
+                    config.get("appendonly").map(String::as_str),
+                    config.get("appendfsync").map(String::as_str),
+                ),
+                Err(()) => Persistence::Unknown,
+            })
+            .min_by_key(Persistence::risk_rank)
+            .unwrap_or(Persistence::Unknown);
         if !remember(&self.persistence, &persistence) {
             return Ok(persistence);
         }
@@ -606,28 +810,31 @@ impl RedisStore {
         self.persistence.lock().ok().and_then(|p| p.clone())
     }
 
-    /// `CONFIG GET name`: the value, `Ok(None)` if Redis does not know it, `Err(())` if
-    /// Redis refused the command (often disabled on managed services); a failure to reach
-    /// Redis is the outer error.
-    async fn config_get(&self, name: &str) -> Result<Result<Option<String>, ()>, StoreError> {
+    /// `CONFIG GET pattern` on every node (the one Redis, or each node of a cluster): per
+    /// node, the settings that match, or `Err(())` if the node refused the command (often
+    /// disabled on managed services); a failure to reach Redis is the outer error.
+    async fn config_get(
+        &self,
+        pattern: &str,
+    ) -> Result<Vec<Result<HashMap<String, String>, ()>>, StoreError> {
         let mut connection = self.connection.clone();
-        let answer = tokio::time::timeout(
-            self.timeout,
-            redis::cmd("CONFIG")
-                .arg("GET")
-                .arg(name)
-                .query_async::<HashMap<String, String>>(&mut connection),
-        )
-        .await
-        .map_err(|_| self.timeout_error())?;
-        match answer {
-            Ok(mut map) => Ok(Ok(map.remove(name))),
-            Err(e) if matches!(e.kind(), ErrorKind::Server(_)) => {
-                tracing::debug!(redis = %self.display_url, error = %e, "redis refused CONFIG GET {name}");
-                Ok(Err(()))
-            }
-            Err(e) => Err(self.error(e)),
-        }
+        let command = redis::cmd("CONFIG").arg("GET").arg(pattern).clone();
+        let answers = tokio::time::timeout(self.timeout, connection.on_every_node(&command))
+            .await
+            .map_err(|_| self.timeout_error())?
+            .map_err(|e| self.error(e))?;
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(value) => redis::from_redis_value::<HashMap<String, String>>(value)
+                    .map(Ok)
+                    .map_err(|_| corrupt("unexpected CONFIG GET answer")),
+                Err(e) => {
+                    tracing::debug!(redis = %self.display_url, error = %e, "redis refused CONFIG GET {pattern}");
+                    Ok(Err(()))
+                }
+            })
+            .collect()
     }
 
     /// Starts a background [`sync`](Self::sync) if one is due and none is running. Costs one
@@ -649,13 +856,28 @@ impl RedisStore {
     /// Reads Redis' `maxmemory-policy` now, logs a warning unless it is `noeviction` (once
     /// per answer: a check after a reconnect logs only if the answer changed), and remembers
     /// the answer for [`eviction_policy`](Self::eviction_policy).
+    ///
+    /// On a Redis Cluster every node is asked, and the answer is the riskiest policy found.
     pub async fn check_eviction_policy(&self) -> Result<EvictionPolicy, StoreError> {
-        let policy = match self.config_get("maxmemory-policy").await? {
-            Ok(Some(name)) if name == "noeviction" => EvictionPolicy::NoEviction,
-            Ok(Some(name)) => EvictionPolicy::Evicting(name),
-            // Redis refused (CONFIG is often disabled on managed services) or did not know it.
-            Ok(None) | Err(()) => EvictionPolicy::Unknown,
-        };
+        let policy = self
+            .config_get("maxmemory-policy")
+            .await?
+            .into_iter()
+            .map(
+                |node| match node.map(|mut c| c.remove("maxmemory-policy")) {
+                    Ok(Some(name)) if name == "noeviction" => EvictionPolicy::NoEviction,
+                    Ok(Some(name)) => EvictionPolicy::Evicting(name),
+                    // Redis refused (CONFIG is often disabled on managed services) or did not
+                    // know it.
+                    Ok(None) | Err(()) => EvictionPolicy::Unknown,
+                },
+            )
+            .min_by_key(|policy| match policy {
+                EvictionPolicy::Evicting(_) => 0,
+                EvictionPolicy::Unknown => 1,
+                EvictionPolicy::NoEviction => 2,
+            })
+            .unwrap_or(EvictionPolicy::Unknown);
         if !remember(&self.eviction_policy, &policy) {
             return Ok(policy);
         }
@@ -846,8 +1068,9 @@ impl Store for RedisStore {
             on_lapse,
             &marker,
         ];
+        let marker_key = self.marker_key_for(&record);
         let answer: Value = self
-            .run(self.eval(&self.scripts.claim, &[&record, &self.marker.key], &args))
+            .run(self.eval(&self.scripts.claim, &[&record, &marker_key], &args))
             .await?;
         match decode_claim(answer, token) {
             Err(ClaimAnswer::DataLost) => {

@@ -30,11 +30,10 @@ use super::http1::limits::RequestHeadLimits;
 use super::http1::server::{self as own_loop, End, Prefixed, WholeBody};
 use super::metrics::{InstrumentedStore, Metrics, UnroutedReason};
 use super::watchdog::{Activity, ActivityIo, ClientStream, InFlight, Verdict, Watchdog};
-use idemgate::IdempotencyLayer;
 use idemgate::body::ResponseBody;
-use idemgate::policy::RoutePolicy;
 use idemgate::response::{Outcome, Problem};
 use idemgate::store::{Store, StoreError};
+use idemgate::{IdempotencyLayer, LayerStats};
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -175,27 +174,12 @@ pub async fn open_store(
 /// `idemgate listening on ADDR admin ADDR`, with the addresses actually bound (useful with
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    // Every route's policy, the default first, for the admin record endpoints.
-    let policies: Vec<RoutePolicy> = std::iter::once(settings.default_route.clone())
-        .chain(settings.routes.iter().map(|r| r.policy.clone()))
-        .collect();
     let metrics = Metrics::with_routes(settings.route_names());
     let raw_store = open_store(&settings.store, settings.store_timeout).await?;
     let first_ping = Arc::clone(&raw_store);
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 
-    let mut layer = IdempotencyLayer::new(Arc::clone(&store))
-        .default_route(settings.default_route.clone())
-        .store_timeout(settings.store_timeout)
-        // The forwarder bounds each wait on the upstream itself (see `Forwarder::new`); a
-        // bound on the whole run would cut a kept response that is still arriving.
-        .upstream_timeout(None)
-        // The request log reads each response's outcome from its body.
-        .outcome_on_body_only()
-        .on_store_error(settings.on_store_error);
-    for route in &settings.routes {
-        layer = layer.route(route.prefix.clone(), route.policy.clone());
-    }
+    let layer = idempotency_layer(&settings, Arc::clone(&store));
     let stats = layer.stats();
     let forwarder = Forwarder::new(
         settings.upstream.clone(),
@@ -207,33 +191,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     // One service per client connection: its forwarder knows the client's address.
     let service_for = move |peer| layer.layer(forwarder.for_client(peer));
 
-    let listener = bind("listen", settings.listen).await?;
-    let admin_listener = bind("admin_listen", settings.admin_listen).await?;
-    let proxy_addr = listener.local_addr().map_err(|source| RunError::Bind {
-        what: "listen",
-        addr: settings.listen,
-        source,
-    })?;
-    let admin_addr = admin_listener
-        .local_addr()
-        .map_err(|source| RunError::Bind {
-            what: "admin_listen",
-            addr: settings.admin_listen,
-            source,
-        })?;
-    // A fixed, parseable line for scripts and tests (the log format may be JSON); only
-    // messages from opening the store (a redb file's migration) can come before it.
-    super::logging::STDERR.print_line(format_args!(
-        "idemgate listening on {proxy_addr} admin {admin_addr}"
-    ));
-    tracing::info!(
-        listen = %proxy_addr,
-        admin = %admin_addr,
-        upstream = %settings.upstream.uri,
-        store = %settings.store,
-        routes = settings.routes.len(),
-        "idemgate started"
-    );
+    let (listener, proxy_addr) = bind("listen", settings.listen).await?;
+    let (admin_listener, admin_addr) = bind("admin_listen", settings.admin_listen).await?;
+    announce(&settings, proxy_addr, admin_addr);
     // A store down at start (Redis, PostgreSQL) is reported, not fatal: requests get 503 (or
     // pass, as configured) and /readyz fails until it answers, and it coming back needs no
     // restart.
@@ -251,7 +211,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         metrics: Arc::clone(&metrics),
         stats: Arc::clone(&stats),
         token: settings.admin_token.clone(),
-        routes: policies,
+        // Every route's policy, the default first, for the admin record endpoints.
+        routes: std::iter::once(settings.default_route.clone())
+            .chain(settings.routes.iter().map(|r| r.policy.clone()))
+            .collect(),
         draining: Arc::clone(&draining),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -284,8 +247,47 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     );
     draining.store(true, Ordering::Relaxed);
     let _ = stop_tx.send(true);
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let drained = tokio::time::timeout(settings.shutdown_grace, async {
+    drain(
+        settings.shutdown_grace,
+        &connections,
+        limits.max_connections,
+        &stats,
+        &metrics,
+    )
+    .await;
+    admin_task.abort();
+    Ok(())
+}
+
+/// Says the gateway is up: a fixed, parseable line for scripts and tests (the log format may
+/// be JSON; only messages from opening the store, a redb file's migration, can come before
+/// it), then the log line with what it serves.
+fn announce(settings: &Settings, proxy_addr: SocketAddr, admin_addr: SocketAddr) {
+    super::logging::STDERR.print_line(format_args!(
+        "idemgate listening on {proxy_addr} admin {admin_addr}"
+    ));
+    tracing::info!(
+        listen = %proxy_addr,
+        admin = %admin_addr,
+        upstream = %settings.upstream.uri,
+        store = %settings.store,
+        routes = settings.routes.len(),
+        "idemgate started"
+    );
+}
+
+/// Waits, up to `grace`, for every client connection to close (each holds one of
+/// `max_connections` permits) and for every keyed request still upstream to finish; past it,
+/// marks what is still open as cut off by the gateway.
+async fn drain(
+    grace: Duration,
+    connections: &Semaphore,
+    max_connections: usize,
+    stats: &LayerStats,
+    metrics: &Metrics,
+) {
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
+    let drained = tokio::time::timeout(grace, async {
         // Every connection holds a permit: all permits back means all connections closed.
         let _all_closed = connections.acquire_many(all).await;
         // Requests whose clients hung up still run upstream and store their responses.
@@ -299,14 +301,12 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
         Err(_) => {
             metrics.cut_off_open_requests();
             tracing::warn!(
-                open_connections = limits.max_connections - connections.available_permits(),
+                open_connections = max_connections - connections.available_permits(),
                 in_flight = stats.in_flight(),
                 "shutdown grace passed with work still open; exiting anyway"
             );
         }
     }
-    admin_task.abort();
-    Ok(())
 }
 
 async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Duration) {
@@ -321,10 +321,34 @@ async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Durat
     }
 }
 
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, RunError> {
-    TcpListener::bind(addr)
+/// The listener for `what` (the config field) on `addr`, and the address it got.
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), RunError> {
+    let bound = async {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        Ok((listener, local))
+    };
+    bound
         .await
         .map_err(|source| RunError::Bind { what, addr, source })
+}
+
+/// The layer in front of the forwarder: every configured route, bounds on the store, and the
+/// outcome left on each response's body for the request log.
+fn idempotency_layer(settings: &Settings, store: Arc<dyn Store>) -> IdempotencyLayer {
+    let mut layer = IdempotencyLayer::new(store)
+        .default_route(settings.default_route.clone())
+        .store_timeout(settings.store_timeout)
+        // The forwarder bounds each wait on the upstream itself (see `Forwarder::new`); a
+        // bound on the whole run would cut a kept response that is still arriving.
+        .upstream_timeout(None)
+        // The request log reads each response's outcome from its body.
+        .outcome_on_body_only()
+        .on_store_error(settings.on_store_error);
+    for route in &settings.routes {
+        layer = layer.route(route.prefix.clone(), route.policy.clone());
+    }
+    layer
 }
 
 fn proxy_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {

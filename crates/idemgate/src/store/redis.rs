@@ -682,10 +682,23 @@ impl RedisStore {
             .await?;
         match found {
             Some(value) if *value == *expected => {}
-            Some(_) => self.data_lost("the data marker key was replaced"),
-            None => self.data_lost("the data marker key is gone"),
+            Some(_) => self.data_lost_since(&expected, "the data marker key was replaced"),
+            None => self.data_lost_since(&expected, "the data marker key is gone"),
         }
         Ok(())
+    }
+
+    /// Notes a data loss found by a check made while this store expected `expected`, unless
+    /// an acknowledgement has adopted another marker since: the check then read Redis before
+    /// the operator's acknowledgement, and what it found is already acknowledged. The
+    /// expected value stays locked while the loss is noted, so an acknowledgement comes
+    /// wholly before it (and clears it) or wholly after (and the loss is not noted).
+    pub(super) fn data_lost_since(&self, expected: &Arc<[u8]>, what: &'static str) {
+        let now = self.marker_slot();
+        if now.as_ref().is_some_and(|now| Arc::ptr_eq(now, expected)) {
+            self.data_lost(what);
+        }
+        drop(now);
     }
 
     /// Notes a data loss (logged and counted once until acknowledged).
@@ -1076,13 +1089,7 @@ impl Store for RedisStore {
             Err(ClaimAnswer::DataLost) => {
                 // Unless an acknowledgement adopted a new marker while this claim was on its
                 // way with the old one.
-                if self
-                    .marker_slot()
-                    .as_ref()
-                    .is_some_and(|now| Arc::ptr_eq(now, &marker))
-                {
-                    self.data_lost("the data marker key is gone or was replaced");
-                }
+                self.data_lost_since(&marker, "the data marker key is gone or was replaced");
                 Err(self.data_loss_error())
             }
             Err(ClaimAnswer::Error(e)) => Err(e),

@@ -9,7 +9,7 @@
 //! loss it is there to reveal.
 
 use std::future::Future;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::{StreamExt, TryStreamExt, stream};
@@ -197,7 +197,7 @@ impl RedisStore {
     /// in slot 0 must still hold `expected`. A loss in another slot is found by the first
     /// claim there (every acquiring claim checks its slot's marker); reading all 16,384
     /// markers after every reconnect would cost more than it finds.
-    pub(super) async fn check_slot_markers(&self, expected: &[u8]) -> Result<(), StoreError> {
+    pub(super) async fn check_slot_markers(&self, expected: &Arc<[u8]>) -> Result<(), StoreError> {
         let mut connection = self.connection.clone();
         let flag: Option<Vec<u8>> = self
             .run(
@@ -207,9 +207,9 @@ impl RedisStore {
             )
             .await?;
         match flag {
-            Some(flag) if flag == expected => {}
-            Some(_) => self.data_lost("the data marker keys were replaced"),
-            None => self.data_lost("slot 0's data marker key is gone"),
+            Some(flag) if *flag == **expected => {}
+            Some(_) => self.data_lost_since(expected, "the data marker keys were replaced"),
+            None => self.data_lost_since(expected, "slot 0's data marker key is gone"),
         }
         Ok(())
     }

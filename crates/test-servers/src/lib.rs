@@ -9,3 +9,11 @@ pub mod redis_cluster;
 pub use postgres::PostgresServer;
 pub use redis::RedisServer;
 pub use redis_cluster::RedisCluster;
+
+/// A loopback port free when asked (the listener is dropped at once; the server binds it next).
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a loopback port")
+        .port()
+}

@@ -13,7 +13,8 @@
 //! we hold is the server's own. Binaries are found on `PATH` or in `/usr/lib/postgresql/*/bin` (where
 //! Debian puts `initdb`).
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use crate::free_port;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -353,11 +354,4 @@ fn binary(name: &str) -> PathBuf {
              (installs Debian's postgresql)"
         ),
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a loopback port")
-        .port()
 }

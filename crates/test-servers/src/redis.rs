@@ -3,8 +3,9 @@
 //! same port for fault tests. [`RedisServer::start_tls`] starts one that speaks only TLS, with
 //! a certificate from a test CA made by the `openssl` command.
 
+use crate::free_port;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -272,13 +273,6 @@ fn make_certificates(dir: &std::path::Path) {
         "-out",
         "server.crt",
     ]);
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a loopback port")
-        .port()
 }
 
 pub(crate) fn answers_ping(addr: SocketAddr) -> bool {

@@ -6,8 +6,10 @@
 # Settings (environment):
 #   DURATION=10      seconds per measured run          REPEATS=5    runs per case (interleaved)
 #   CONNECTIONS=64   wrk connections                   THREADS=2    wrk threads
-#   WARMUP=2         seconds of warm-up per case       STORES="memory redb redis"
-#   SERVER_CPU=0     core for upstream, nginx, idemgate and redis-server
+#   WARMUP=2         seconds of warm-up per case
+#   STORES="memory redb redis redis-cluster postgres"   the stores measured, a gateway each
+#   SERVER_CPU=0     core for upstream, nginx, idemgate, redis-server (the cluster's six too)
+#                    and PostgreSQL
 #   LOAD_CPU=1       core for wrk
 #   CARGO_FLAGS=     extra flags for the release build (e.g. --no-default-features --features proxy,redis)
 #   WRITE=1          write the results into BENCHMARKS.md (0: print only)
@@ -16,8 +18,11 @@
 #   BASELINE=        another idemgate binary (e.g. built from an earlier commit) to run beside
 #                    this build: a second gateway per store, measured in the same rounds, and a
 #                    table of this build ÷ the baseline, case by case
+#   BASELINE_STORES= the stores the baseline runs with (default: STORES; an older build may
+#                    lack a store)
 #
-# It installs Debian's nginx and wrk when missing (and redis-server through .ci/install-deps),
+# It installs Debian's nginx and wrk when missing (redis-server and PostgreSQL through
+# .ci/install-deps),
 # starts everything it measures on free loopback ports from a temporary directory, and stops
 # only the processes it started.
 set -euo pipefail
@@ -30,7 +35,7 @@ REPEATS=${REPEATS:-5}
 CONNECTIONS=${CONNECTIONS:-64}
 THREADS=${THREADS:-2}
 WARMUP=${WARMUP:-2}
-STORES=${STORES:-memory redb redis}
+STORES=${STORES:-memory redb redis redis-cluster postgres}
 SERVER_CPU=${SERVER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 CARGO_FLAGS=${CARGO_FLAGS:-}
@@ -39,6 +44,7 @@ SETTLE_MAX=${SETTLE_MAX:-20}
 # Records of the new-keys cases expire quickly, so memory stays bounded however fast they come.
 RECORD_TTL=${RECORD_TTL:-5s}
 BASELINE=${BASELINE:-}
+BASELINE_STORES=${BASELINE_STORES:-$STORES}
 
 NAME=bench
 # shellcheck source=scripts/lib.sh
@@ -46,7 +52,7 @@ NAME=bench
 
 need_tools wrk:wrk nginx:nginx taskset:util-linux
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
-case " $STORES " in *" redis "*) bash .ci/install-deps >/dev/null ;; esac
+case " $STORES " in *" redis"* | *" postgres "*) bash .ci/install-deps >/dev/null ;; esac
 
 if [ "$(nproc)" -lt 2 ]; then
     die "needs at least 2 cores (one for the servers, one for wrk); this machine has $(nproc)"
@@ -55,28 +61,6 @@ fi
 # --- build ---------------------------------------------------------------------------------
 # shellcheck disable=SC2086 # CARGO_FLAGS is a list of flags
 build_release $CARGO_FLAGS
-
-free_port() {
-    local p
-    for _ in $(seq 1 200); do
-        p=$((20000 + RANDOM % 40000))
-        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-            echo "$p"
-            return 0
-        fi
-    done
-    die "no free port found"
-}
-
-# Waits until a TCP port accepts connections.
-wait_port() {
-    local port=$1 what=$2
-    for _ in $(seq 1 100); do
-        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
-        sleep 0.1
-    done
-    die "$what did not start listening on port $port"
-}
 
 # Started as `"${PIN[@]}" cmd &` (not in `$(…)`, which would fork a shell), so `$!` is the
 # server's own pid: taskset execs it.
@@ -137,20 +121,11 @@ NGINX_WORKER=$(pgrep -P "$NGINX_PID" | head -1)
 [ -n "$NGINX_WORKER" ] || die "nginx started no worker"
 log "nginx proxy on $NGINX_PROXY_PORT, static on $NGINX_STATIC_PORT"
 
-# --- redis-server ----------------------------------------------------------------------------
-REDIS_URL=
-case " $STORES " in
-*" redis "*)
-    REDIS_PORT=$(free_port)
-    mkdir -p "$TMP/redis"
-    "${PIN[@]}" redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
-        --dir "$TMP/redis" --daemonize no --loglevel warning >"$TMP/redis/out.log" 2>&1 &
-    PIDS+=($!); REDIS_PID=$!
-    wait_port "$REDIS_PORT" redis-server
-    REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
-    log "redis-server on $REDIS_PORT"
-    ;;
-esac
+# --- the shared stores' servers ----------------------------------------------------------------
+CLUSTER_PIDS=()
+case " $STORES " in *" redis "*) start_redis "$SERVER_CPU"; log "redis-server: $REDIS_URL" ;; esac
+case " $STORES " in *" redis-cluster "*) start_redis_cluster "$SERVER_CPU"; log "redis cluster: $CLUSTER_URL" ;; esac
+case " $STORES " in *" postgres "*) start_postgres "$SERVER_CPU"; log "postgres: $PG_URL" ;; esac
 
 # --- idemgate, one per store -------------------------------------------------------------------
 # New keys expire after RECORD_TTL (bounded memory at any rate); the 16 replayed keys live
@@ -164,7 +139,9 @@ start_gateway() {
     memory) spec=memory ;;
     redb) spec="redb:$TMP/records-$key.redb" ;;
     redis) spec=$REDIS_URL ;;
-    *) die "unknown store $store (memory, redb, redis)" ;;
+    redis-cluster) spec=$CLUSTER_URL ;;
+    postgres) spec=$PG_URL ;;
+    *) die "unknown store $store (memory, redb, redis, redis-cluster, postgres)" ;;
     esac
     IDEMGATE_LOG=warn "${PIN[@]}" "$bin" --config "$TMP/idemgate.toml" \
         --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" \
@@ -176,12 +153,15 @@ start_gateway() {
 }
 if [ -n "$BASELINE" ]; then
     [ -x "$BASELINE" ] || die "BASELINE=$BASELINE is not an executable idemgate binary"
-    # The two builds share one Redis: their records differ by key, never by prefix.
-    case " $STORES " in *" redis "*) log "baseline and this build share redis-server; keys differ per run" ;; esac
+    # The two builds share a Redis or PostgreSQL server: their new keys differ per run, and
+    # the replayed keys' records are the same requests' either way.
+    log "baseline and this build share the shared stores' servers; new keys differ per run"
 fi
+# Whether the baseline runs with store $1.
+baseline_has() { [ -n "$BASELINE" ] && case " $BASELINE_STORES " in *" $1 "*) true ;; *) false ;; esac; }
 for store in $STORES; do
     start_gateway "$store" "$BIN/idemgate" "$store"
-    [ -z "$BASELINE" ] || start_gateway "base_$store" "$BASELINE" "$store"
+    ! baseline_has "$store" || start_gateway "base_$store" "$BASELINE" "$store"
 done
 
 # --- cases -----------------------------------------------------------------------------------
@@ -193,9 +173,11 @@ CASES=(
 )
 first_store=${STORES%% *}
 CASES+=("pass|idemgate pass-through|http://${GATEWAY[$first_store]}/v1/payments|post|${GATEWAY_PID[$first_store]}")
-[ -z "$BASELINE" ] || CASES+=("base_pass|baseline pass-through|http://${GATEWAY[base_$first_store]}/v1/payments|post|${GATEWAY_PID[base_$first_store]}")
+! baseline_has "$first_store" || CASES+=("base_pass|baseline pass-through|http://${GATEWAY[base_$first_store]}/v1/payments|post|${GATEWAY_PID[base_$first_store]}")
 for store in $STORES; do
-    for key in "$store" ${BASELINE:+"base_$store"}; do
+    keys=("$store")
+    ! baseline_has "$store" || keys+=("base_$store")
+    for key in "${keys[@]}"; do
         prefix=${key%"$store"}
         label=${prefix:+baseline }
         CASES+=("${prefix}new_$store|${label}new keys, $store|http://${GATEWAY[$key]}/v1/payments|new_keys|${GATEWAY_PID[$key]}")
@@ -210,17 +192,8 @@ TCK=$(getconf CLK_TCK)
 # running something else of the host's while this machine had work for it); 0 on bare metal.
 steal_ticks() { awk -v cpu="cpu$SERVER_CPU" '$1 == cpu {print $9 + 0}' /proc/stat; }
 
-# Converts wrk's "1.23ms" / "456.00us" / "1.01s" to milliseconds.
-to_ms() {
-    awk -v v="$1" 'BEGIN {
-        n = v + 0
-        if (v ~ /us$/) n = n / 1000; else if (v ~ /ms$/) n = n; else if (v ~ /m$/) n = n * 60000; else if (v ~ /s$/) n = n * 1000
-        printf "%.3f", n
-    }'
-}
-
 # Every server process whose leftover work could spill into the next case.
-SERVER_PIDS="$UPSTREAM_PID $NGINX_WORKER ${REDIS_PID:-} ${GATEWAY_PID[*]}"
+SERVER_PIDS="$UPSTREAM_PID $NGINX_WORKER ${REDIS_PID:-} ${CLUSTER_PIDS[*]} ${PG_PID:-} ${GATEWAY_PID[*]}"
 
 RESULTS="$TMP/results.tsv"
 : >"$RESULTS"
@@ -256,18 +229,19 @@ run_case() {
     stolen_after=$(steal_ticks)
     after=$(busy_ticks "$pid")
     [ -n "$record" ] || return 0
-    local rps p50 p99 total errors cpu_us rss stolen
+    local rps p50 p99 p999 total errors cpu_us rss stolen
     rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
-    p50=$(to_ms "$(echo "$out" | awk '$1 == "50%" {print $2}')")
-    p99=$(to_ms "$(echo "$out" | awk '$1 == "99%" {print $2}')")
+    # The scripts' done() prints the percentiles in µs, unrounded, p99.9 included.
+    read -r p50 p99 p999 < <(echo "$out" | awk '$1 == "tail_us" {printf "%.3f %.3f %.3f\n", $2 / 1000, $3 / 1000, $4 / 1000}')
+    [ -n "$p999" ] || die "wrk printed no tail percentiles on $label: $out"
     total=$(echo "$out" | awk '/requests in/ {print $1}')
     errors=$(echo "$out" | awk '/Non-2xx or 3xx responses:/ {n += $NF} /Socket errors:/ {gsub(",", ""); n += $4 + $6 + $8 + $10} END {print n + 0}')
     cpu_us=$(awk -v a="$after" -v b="$before" -v t="$TCK" -v n="$total" 'BEGIN { printf "%.2f", (n > 0) ? (a - b) * 1e6 / t / n : 0 }')
     rss=$(rss_kib "$pid")
     # The share of the run's wall time the servers' core was taken by the hypervisor.
     stolen=$(awk -v a="$stolen_after" -v b="$stolen_before" -v t="$TCK" -v s="$secs" 'BEGIN { printf "%.1f", (a - b) * 100 / t / s }')
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rps" "$p50" "$p99" "$cpu_us" "$errors" "$total" "$rss" "$stolen" >>"$RESULTS"
-    log "$(printf '%-24s run %s: %9.0f req/s  p50 %6.3f ms  p99 %7.3f ms  %6.2f us/req CPU  %4.1f %% stolen  %s errors' "$label" "$run" "$rps" "$p50" "$p99" "$cpu_us" "$stolen" "$errors")"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rps" "$p50" "$p99" "$cpu_us" "$errors" "$total" "$rss" "$stolen" "$p999" >>"$RESULTS"
+    log "$(printf '%-24s run %s: %9.0f req/s  p50 %6.3f ms  p99 %7.3f ms  p99.9 %7.3f ms  %6.2f us/req CPU  %4.1f %% stolen  %s errors' "$label" "$run" "$rps" "$p50" "$p99" "$p999" "$cpu_us" "$stolen" "$errors")"
 }
 
 log "warm-up: ${WARMUP}s per case"
@@ -300,12 +274,15 @@ by_run() { # name column
 }
 # The ratio of two cases within each round, one per line, in order: both ran within the same
 # two minutes on the machine.
-round_ratios() { # name base
-    paste <(awk -F'\t' -v n="$1" '$1 == n {print $2}' "$RESULTS") \
-        <(awk -F'\t' -v n="$2" '$1 == n {print $2}' "$RESULTS") |
+round_ratios() { # name base [column: 2 req/s (default), 4 p99]
+    local c=${3:-2}
+    paste <(awk -F'\t' -v n="$1" -v c="$c" '$1 == n {print $c}' "$RESULTS") \
+        <(awk -F'\t' -v n="$2" -v c="$c" '$1 == n {print $c}' "$RESULTS") |
         awk -F'\t' '{ printf "%.4f\n", ($2 > 0 ? $1 / $2 : 0) }'
 }
-by_round() { round_ratios "$1" "$2" | awk '{ printf "%s%.2f×", (NR > 1 ? ", " : ""), $1 }'; }
+by_round() { round_ratios "$@" | awk '{ printf "%s%.2f×", (NR > 1 ? ", " : ""), $1 }'; }
+# Whether case $1 was measured.
+has() { [ -n "${RPS[$1]:-}" ]; }
 
 CPU_MODEL=$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)
 MACHINE="$(nproc) cores, ${CPU_MODEL:-unknown CPU}, Linux $(uname -r)"
@@ -316,17 +293,17 @@ REPORT="$TMP/report.md"
 {
     echo "Run on $MACHINE at commit $COMMIT."
     echo "wrk: $CONNECTIONS connections, $THREADS threads, pinned to core $LOAD_CPU; upstream, nginx (1 worker), idemgate and"
-    echo "redis-server pinned to core $SERVER_CPU. Each case: median of $REPEATS interleaved runs of ${DURATION} s (after a ${WARMUP} s warm-up)."
+    echo "the stores' servers pinned to core $SERVER_CPU. Each case: median of $REPEATS interleaved runs of ${DURATION} s (after a ${WARMUP} s warm-up)."
     echo "Record ttl ${RECORD_TTL}. CPU is the user+system time of the serving process (the upstream, the nginx worker, or idemgate) per request."
     echo
     echo "Stolen is the share of each run's time the hypervisor took core $SERVER_CPU for other work (steal time, by run)."
     echo
-    echo "| case | req/s | p50 ms | p99 ms | CPU µs/req | RSS MiB | × nginx pass-through | × direct upstream | errors | stolen % |"
-    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    echo "| case | req/s | p50 ms | p99 ms | p99.9 ms | CPU µs/req | RSS MiB | × nginx pass-through | × direct upstream | errors | stolen % |"
+    echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for spec in "${CASES[@]}"; do
         IFS='|' read -r name label _ <<<"$spec"
-        printf '| %s | %.0f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s | %s |\n' "$label" "${RPS[$name]}" \
-            "$(median "$name" 3)" "$(median "$name" 4)" "$(median "$name" 5)" \
+        printf '| %s | %.0f | %.2f | %.2f | %.2f | %.1f | %.0f | %s | %s | %s | %s |\n' "$label" "${RPS[$name]}" \
+            "$(median "$name" 3)" "$(median "$name" 4)" "$(median "$name" 10)" "$(median "$name" 5)" \
             "$(awk -v k="$(median "$name" 8)" 'BEGIN {print k / 1024}')" \
             "$(ratio "${RPS[$name]}" "${RPS[nginx_proxy]}")" "$(ratio "${RPS[$name]}" "${RPS[direct]}")" \
             "$(sum_col "$name" 6)" "$(by_run "$name" 9)"
@@ -347,11 +324,46 @@ REPORT="$TMP/report.md"
             "$(awk -v r="$r" -v g="$4" 'BEGIN { print (r >= g) ? "yes" : "**no**" }')"
     }
     target "pass-through ÷ nginx pass-through" pass nginx_proxy 1.0
-    [ -z "${RPS[new_memory]:-}" ] || target "new keys, memory ÷ nginx pass-through" new_memory nginx_proxy 0.9
-    [ -z "${RPS[replay_memory]:-}" ] || target "replays, memory ÷ nginx return 200" replay_memory nginx_static 0.8
-    [ -z "${RPS[new_redb]:-}" ] || [ -z "${RPS[new_memory]:-}" ] || target "new keys, redb ÷ new keys, memory" new_redb new_memory 0.5
-    [ -z "${RPS[new_redis]:-}" ] || target "new keys, redis ÷ nginx pass-through" new_redis nginx_proxy 0.35
-    [ -z "${RPS[replay_redis]:-}" ] || target "replays, redis ÷ nginx pass-through" replay_redis nginx_proxy 0.7
+    ! has new_memory || target "new keys, memory ÷ nginx pass-through" new_memory nginx_proxy 0.9
+    ! has replay_memory || target "replays, memory ÷ nginx return 200" replay_memory nginx_static 0.8
+    ! has new_redb || ! has new_memory || target "new keys, redb ÷ new keys, memory" new_redb new_memory 0.5
+    ! has new_redis || target "new keys, redis ÷ nginx pass-through" new_redis nginx_proxy 0.35
+    ! has replay_redis || target "replays, redis ÷ nginx pass-through" replay_redis nginx_proxy 0.7
+    ! has new_postgres || ! has new_redis || target "new keys, postgres ÷ new keys, redis" new_postgres new_redis 0.5
+    ! has replay_postgres || ! has replay_redis || target "replays, postgres ÷ replays, redis" replay_postgres replay_redis 0.6
+    if has new_redis-cluster && has new_redis; then
+        echo
+        echo "Redis Cluster beside single Redis (reported, no target): the cluster's six nodes share core $SERVER_CPU."
+        echo
+        echo "| case | median by round | by round | CPU µs/req, cluster / single |"
+        echo "| --- | ---: | ---: | ---: |"
+        for kind in new replay; do
+            printf '| %s | %s× | %s | %.1f / %.1f |\n' "$kind, redis-cluster ÷ $kind, redis" \
+                "$(round_ratios "${kind}_redis-cluster" "${kind}_redis" | median_of | awk '{ printf "%.2f", $1 }')" \
+                "$(by_round "${kind}_redis-cluster" "${kind}_redis")" \
+                "$(median "${kind}_redis-cluster" 5)" "$(median "${kind}_redis" 5)"
+        done
+    fi
+    echo
+    echo "Tail targets: a case's p99 ÷ nginx pass-through's p99 within each round, the median of the rounds,"
+    echo "at $CONNECTIONS connections (lower is better). p99.9 is reported beside it, the same way."
+    echo
+    echo "| tail target | p99 median by round | p99 by round | p99.9 median by round | target | met |"
+    echo "| --- | ---: | ---: | ---: | ---: | --- |"
+    tail_target() { # label case [goal; without one the row is reported, not judged]
+        local r goal=${3:-} verdict=–
+        r=$(round_ratios "$2" nginx_proxy 4 | median_of | awk '{ printf "%.2f", $1 }')
+        [ -z "$goal" ] || verdict=$(awk -v r="$r" -v g="$goal" 'BEGIN { print (r <= g) ? "yes" : "**no**" }')
+        printf '| %s | %s× | %s | %s× | %s | %s |\n' "$1" "$r" "$(by_round "$2" nginx_proxy 4)" \
+            "$(round_ratios "$2" nginx_proxy 10 | median_of | awk '{ printf "%.2f", $1 }')" \
+            "${goal:+≤ ${goal}×}" "$verdict"
+    }
+    tail_target "idemgate pass-through" pass
+    for store in $STORES; do
+        case $store in memory) goal=1.5 ;; redb | redis) goal=2 ;; *) goal= ;; esac
+        tail_target "new keys, $store" "new_$store" "$goal"
+    done
+    for store in $STORES; do tail_target "replays, $store" "replay_$store" 1; done
     if [ -n "$BASELINE" ]; then
         echo
         echo "This build against the baseline ($BASELINE), judged the same way: within 5 % means ≥ 0.95×."
@@ -361,6 +373,7 @@ REPORT="$TMP/report.md"
         for spec in "${CASES[@]}"; do
             IFS='|' read -r name label _ <<<"$spec"
             case $name in base_* | direct | nginx_*) continue ;; esac
+            has "base_$name" || continue
             r=$(round_ratios "$name" "base_$name" | median_of | awk '{ printf "%.2f", $1 }')
             printf '| %s | %s× | %s | %s | %.1f / %.1f | %s |\n' "$label" "$r" "$(by_round "$name" "base_$name")" \
                 "$(ratio "${RPS[$name]}" "${RPS[base_$name]}")" "$(median "$name" 5)" "$(median "base_$name" 5)" \

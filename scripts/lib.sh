@@ -107,3 +107,91 @@ wait_line() {
     cat "$file" >&2 || true
     exit 1
 }
+
+free_port() {
+    local p
+    for _ in $(seq 1 200); do
+        p=$((20000 + RANDOM % 40000))
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+            echo "$p"
+            return 0
+        fi
+    done
+    die "no free port found"
+}
+
+# Waits until a TCP port accepts connections.
+wait_port() {
+    local port=$1 what=$2
+    for _ in $(seq 1 100); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+        sleep 0.1
+    done
+    die "$what did not start listening on port $port"
+}
+
+# Starts redis-server on core $1, no persistence; sets REDIS_URL and REDIS_PID.
+start_redis() {
+    local port
+    port=$(free_port)
+    mkdir -p "$TMP/redis"
+    taskset -c "$1" redis-server --bind 127.0.0.1 --port "$port" --save '' --appendonly no \
+        --dir "$TMP/redis" --daemonize no --loglevel warning >"$TMP/redis/out.log" 2>&1 &
+    PIDS+=($!); REDIS_PID=$!
+    wait_port "$port" redis-server
+    REDIS_URL="redis://127.0.0.1:$port"
+}
+
+# Starts a six-node Redis Cluster (three primaries, a replica each) on core $1; sets
+# CLUSTER_URL and CLUSTER_PIDS.
+start_redis_cluster() {
+    local nodes=() node port
+    CLUSTER_PIDS=()
+    for _ in 1 2 3 4 5 6; do
+        # A node's cluster bus listens on its port + 10000, which must be a port too.
+        port=$(free_port)
+        while [ "$port" -gt 55000 ]; do port=$(free_port); done
+        mkdir -p "$TMP/cluster/$port"
+        taskset -c "$1" redis-server --bind 127.0.0.1 --port "$port" --cluster-enabled yes \
+            --cluster-config-file nodes.conf --save '' --appendonly no --dir "$TMP/cluster/$port" \
+            --daemonize no --loglevel warning >"$TMP/cluster/$port/out.log" 2>&1 &
+        PIDS+=($!); CLUSTER_PIDS+=($!)
+        nodes+=("127.0.0.1:$port")
+    done
+    for node in "${nodes[@]}"; do wait_port "${node#*:}" "redis-server (cluster node)"; done
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes \
+        >"$TMP/cluster/create.log" 2>&1 || die "redis-cli --cluster create failed: $(cat "$TMP/cluster/create.log")"
+    for node in "${nodes[@]}"; do
+        for _ in $(seq 1 100); do
+            redis-cli -p "${node#*:}" cluster info 2>/dev/null | grep -q '^cluster_state:ok' && break
+            sleep 0.1
+        done
+        redis-cli -p "${node#*:}" cluster info | grep -q '^cluster_state:ok' || die "cluster node $node is not ok"
+    done
+    CLUSTER_URL="redis-cluster://$(IFS=,; echo "${nodes[*]}")"
+}
+
+# Starts PostgreSQL (Debian's, as .ci/install-deps installs it) on core $1 with its durable
+# defaults (fsync and synchronous_commit on); sets PG_URL and PG_PID.
+start_postgres() {
+    local bin port as_pg=()
+    bin=$(find /usr/lib/postgresql -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -1)
+    [ -x "$bin/initdb" ] || die "PostgreSQL is not installed: run .ci/install-deps"
+    mkdir -p "$TMP/pg/socket"
+    # PostgreSQL refuses to run as root: as root, it runs as nobody (setpriv execs it, so $! is
+    # the server's own pid).
+    if [ "$(id -u)" -eq 0 ]; then
+        chmod 711 "$TMP"
+        chown -R nobody:nogroup "$TMP/pg"
+        as_pg=(setpriv --reuid=nobody --regid=nogroup --clear-groups)
+    fi
+    "${as_pg[@]}" "$bin/initdb" -D "$TMP/pg/data" -U postgres --auth=trust -E UTF8 \
+        >"$TMP/pg/initdb.log" 2>&1 || die "initdb failed: $(cat "$TMP/pg/initdb.log")"
+    port=$(free_port)
+    taskset -c "$1" "${as_pg[@]}" "$bin/postgres" -D "$TMP/pg/data" -p "$port" -k "$TMP/pg/socket" \
+        -c listen_addresses=127.0.0.1 -c fsync=on -c synchronous_commit=on -c max_connections=200 \
+        >"$TMP/pg/out.log" 2>&1 &
+    PIDS+=($!); PG_PID=$!
+    wait_port "$port" postgres
+    PG_URL="postgres://postgres@127.0.0.1:$port/postgres?sslmode=disable"
+}

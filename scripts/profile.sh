@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the gateway's CPU goes under load: `perf record` on idemgate (memory or redb store)
+# Where the gateway's CPU goes under load: `perf record` on idemgate (with any store)
 # while wrk drives one case, then the hottest symbols, user space and kernel together.
 # Loopback only, bounded duration.
 #
@@ -10,7 +10,7 @@
 #
 # Settings (environment):
 #   CASE=new-keys    pass-through | new-keys | replays       TOP=40      symbols printed
-#   STORE=memory     memory | redb
+#   STORE=memory     memory | redb | redis | redis-cluster | postgres (their servers on SERVER_CPU)
 #   DURATION=8       seconds sampled                         WARMUP=7    seconds of load before
 #   RECORD_TTL=5s    ttl of new keys' records                CONNECTIONS=64  THREADS=2
 #   SERVER_CPU=0     core for upstream and idemgate          LOAD_CPU=1  core for wrk
@@ -53,7 +53,8 @@ esac
 case "$STORE" in
     memory) spec=memory ;;
     redb) spec="redb:$TMP/records.redb" ;;
-    *) die "STORE must be memory or redb, not '$STORE'" ;;
+    redis | redis-cluster | postgres) ;;
+    *) die "STORE must be memory, redb, redis, redis-cluster or postgres, not '$STORE'" ;;
 esac
 [[ "$DURATION" =~ ^[1-9][0-9]*$ ]] || die "DURATION must be a whole number of seconds, not '$DURATION'"
 [[ "$WARMUP" =~ ^[1-9][0-9]*$ ]] || die "WARMUP must be a whole number of seconds, not '$WARMUP'"
@@ -61,6 +62,11 @@ esac
 need_tools perf:linux-perf wrk:wrk taskset:util-linux
 
 build_release
+case "$STORE" in
+    redis) start_redis "$SERVER_CPU"; spec=$REDIS_URL ;;
+    redis-cluster) start_redis_cluster "$SERVER_CPU"; spec=$CLUSTER_URL ;;
+    postgres) start_postgres "$SERVER_CPU"; spec=$PG_URL ;;
+esac
 start_upstream "$SERVER_CPU"
 write_gateway_config "$RECORD_TTL"
 IDEMGATE_LOG=warn taskset -c "$SERVER_CPU" "$BIN/idemgate" --config "$TMP/idemgate.toml" \

@@ -7,7 +7,8 @@
 #   DURATION=10      seconds per measured run          REPEATS=5    runs per case (interleaved)
 #   CONNECTIONS=64   wrk connections                   THREADS=2    wrk threads
 #   WARMUP=2         seconds of warm-up per case
-#   STORES="memory redb redis redis-cluster postgres"   the stores measured, a gateway each
+#   STORES="memory redb redis redis-cluster postgres"   the stores measured, a gateway each;
+#                    also "redis-cluster-wait" (the cluster with store_wait_replicas = 1)
 #   SERVER_CPU=0     core for upstream, nginx, idemgate, redis-server (the cluster's six too)
 #                    and PostgreSQL
 #   LOAD_CPU=1       core for wrk
@@ -124,7 +125,7 @@ log "nginx proxy on $NGINX_PROXY_PORT, static on $NGINX_STATIC_PORT"
 # --- the shared stores' servers ----------------------------------------------------------------
 CLUSTER_PIDS=()
 case " $STORES " in *" redis "*) start_redis "$SERVER_CPU"; log "redis-server: $REDIS_URL" ;; esac
-case " $STORES " in *" redis-cluster "*) start_redis_cluster "$SERVER_CPU"; log "redis cluster: $CLUSTER_URL" ;; esac
+case " $STORES " in *" redis-cluster "* | *" redis-cluster-wait "*) start_redis_cluster "$SERVER_CPU"; log "redis cluster: $CLUSTER_URL" ;; esac
 case " $STORES " in *" postgres "*) start_postgres "$SERVER_CPU"; log "postgres: $PG_URL" ;; esac
 
 # --- idemgate, one per store -------------------------------------------------------------------
@@ -134,16 +135,19 @@ write_gateway_config "$RECORD_TTL"
 declare -A GATEWAY GATEWAY_PID
 # start_gateway KEY BINARY STORE: one gateway, its address in GATEWAY[KEY].
 start_gateway() {
-    local key=$1 bin=$2 store=$3 spec
+    local key=$1 bin=$2 store=$3 spec config="$TMP/idemgate.toml"
     case $store in
     memory) spec=memory ;;
     redb) spec="redb:$TMP/records-$key.redb" ;;
     redis) spec=$REDIS_URL ;;
     redis-cluster) spec=$CLUSTER_URL ;;
+    redis-cluster-wait) spec=$CLUSTER_URL config="$TMP/idemgate-wait.toml"
+        # A top-level key: before the file's [[routes]] tables.
+        { echo "store_wait_replicas = 1"; cat "$TMP/idemgate.toml"; } >"$config" ;;
     postgres) spec=$PG_URL ;;
-    *) die "unknown store $store (memory, redb, redis, redis-cluster, postgres)" ;;
+    *) die "unknown store $store (memory, redb, redis, redis-cluster, redis-cluster-wait, postgres)" ;;
     esac
-    IDEMGATE_LOG=warn "${PIN[@]}" "$bin" --config "$TMP/idemgate.toml" \
+    IDEMGATE_LOG=warn "${PIN[@]}" "$bin" --config "$config" \
         --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://$UPSTREAM" \
         --store "$spec" >"$TMP/idemgate-$key.out" 2>&1 &
     PIDS+=($!); GATEWAY_PID[$key]=$!
@@ -342,6 +346,19 @@ REPORT="$TMP/report.md"
                 "$(round_ratios "${kind}_redis-cluster" "${kind}_redis" | median_of | awk '{ printf "%.2f", $1 }')" \
                 "$(by_round "${kind}_redis-cluster" "${kind}_redis")" \
                 "$(median "${kind}_redis-cluster" 5)" "$(median "${kind}_redis" 5)"
+        done
+    fi
+    if has new_redis-cluster-wait && has new_redis-cluster; then
+        echo
+        echo "The cost of store_wait_replicas = 1 on the cluster (reported, no target): WAIT 1 after each claim that takes a key."
+        echo
+        echo "| case | median by round | by round | CPU µs/req, with WAIT / without |"
+        echo "| --- | ---: | ---: | ---: |"
+        for kind in new replay; do
+            printf '| %s | %s× | %s | %.1f / %.1f |\n' "$kind, redis-cluster-wait ÷ $kind, redis-cluster" \
+                "$(round_ratios "${kind}_redis-cluster-wait" "${kind}_redis-cluster" | median_of | awk '{ printf "%.2f", $1 }')" \
+                "$(by_round "${kind}_redis-cluster-wait" "${kind}_redis-cluster")" \
+                "$(median "${kind}_redis-cluster-wait" 5)" "$(median "${kind}_redis-cluster" 5)"
         done
     fi
     echo

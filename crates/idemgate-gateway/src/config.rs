@@ -157,6 +157,9 @@ pub struct FileConfig {
     /// Bound on one store call.
     #[serde(default, deserialize_with = "duration")]
     pub store_timeout: Option<Duration>,
+    /// Redis replicas that must hold a claim before its request is forwarded (`WAIT`); Redis
+    /// and Redis Cluster stores only. Default 0.
+    pub store_wait_replicas: Option<u32>,
     /// `reject` (fail closed, `503`) or `pass` (forward unprotected) when the store is down.
     pub on_store_error: Option<OnStoreError>,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
@@ -694,6 +697,8 @@ pub struct Settings {
     pub store: StoreSpec,
     /// Bound on one store call.
     pub store_timeout: Duration,
+    /// Redis replicas that must hold a claim before its request is forwarded; 0 for none.
+    pub store_wait_replicas: u32,
     /// What to do when the store fails.
     pub on_store_error: OnStoreError,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
@@ -822,6 +827,13 @@ impl FileConfig {
         let store = StoreSpec::parse(self.store.as_deref().unwrap_or(DEFAULT_STORE))
             .map_err(|m| ConfigError::invalid("store", m))?;
         let timeouts = self.timeouts()?;
+        let store_wait_replicas = self.store_wait_replicas.unwrap_or(0);
+        if store_wait_replicas > 0 && !matches!(store, StoreSpec::Redis(_)) {
+            return Err(ConfigError::invalid(
+                "store_wait_replicas",
+                format!("applies to a Redis or Redis Cluster store, and the store is {store}"),
+            ));
+        }
         let ttl = self.ttl.map(|ttl| nonzero("ttl", ttl)).transpose()?;
         let admin_token = self.admin_token()?;
         let limits = self.limits.clone().unwrap_or_default().validate()?;
@@ -846,6 +858,7 @@ impl FileConfig {
             upstream,
             store,
             store_timeout: timeouts.store,
+            store_wait_replicas,
             on_store_error: self.on_store_error.unwrap_or_default(),
             upstream_timeout: timeouts.upstream,
             upstream_connect_timeout: timeouts.upstream_connect,
@@ -1985,6 +1998,26 @@ mod tests {
         assert_same_policy(&s.routes[1].policy, payments);
         assert!(s.route_by_name("github").is_some());
         assert_eq!(s.route_names().count(), 3);
+    }
+
+    #[test]
+    fn waiting_for_replicas_needs_a_redis_store() {
+        let up = "upstream = \"http://127.0.0.1:3000\"\nstore_wait_replicas = 1\n";
+        assert_eq!(field_of(up), "store_wait_replicas");
+        assert_eq!(
+            field_of(&format!("{up}store = \"redb:x.redb\"")),
+            "store_wait_replicas"
+        );
+        let redis = parse(&format!("{up}store = \"redis://127.0.0.1:6379\"")).unwrap();
+        assert_eq!(redis.store_wait_replicas, 1);
+        let cluster = format!("{up}store = \"redis-cluster://127.0.0.1:7000,127.0.0.1:7001\"");
+        assert_eq!(parse(&cluster).unwrap().store_wait_replicas, 1);
+        assert_eq!(
+            parse("upstream = \"http://127.0.0.1:3000\"")
+                .unwrap()
+                .store_wait_replicas,
+            0
+        );
     }
 
     #[test]

@@ -81,14 +81,8 @@ pub enum RunError {
 /// Opens the configured store. A Redis or PostgreSQL store is set up without contacting its
 /// server, so that a gateway starts while the server is down; `store_timeout` bounds each of
 /// its calls.
-pub async fn open_store(
-    spec: &StoreSpec,
-    #[cfg_attr(
-        not(any(feature = "redis", feature = "postgres")),
-        expect(unused_variables)
-    )]
-    store_timeout: Duration,
-) -> Result<Arc<dyn Store>, RunError> {
+pub async fn open_store(settings: &Settings) -> Result<Arc<dyn Store>, RunError> {
+    let spec = &settings.store;
     match spec {
         StoreSpec::Memory => Ok(Arc::new(idemgate::store::MemoryStore::default())),
         #[cfg(feature = "redb")]
@@ -123,7 +117,8 @@ pub async fn open_store(
             // /readyz fails until it answers; it coming back needs no restart.
             // The store's own bound on a call is the configured one (its default is 1 s).
             let mut config = idemgate::store::RedisStoreConfig::new(url.clone());
-            config.timeout = store_timeout;
+            config.timeout = settings.store_timeout;
+            config.wait_replicas = settings.store_wait_replicas;
             // Not contacted here: `run` pings the store once it listens.
             let store = idemgate::store::RedisStore::connect_lazy(config).map_err(|source| {
                 RunError::Store {
@@ -140,7 +135,7 @@ pub async fn open_store(
             // succeeds, and a table newer than this build fails every call, naming both
             // versions. The password comes from the URL or PGPASSWORD.
             let mut config = idemgate::store::PostgresStoreConfig::new(url.as_str());
-            config.timeout = store_timeout;
+            config.timeout = settings.store_timeout;
             let store = idemgate::store::PostgresStore::connect_lazy(config).map_err(|source| {
                 RunError::Store {
                     spec: spec.to_string(),
@@ -175,7 +170,7 @@ pub async fn open_store(
 /// port 0).
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let metrics = Metrics::with_routes(settings.route_names());
-    let raw_store = open_store(&settings.store, settings.store_timeout).await?;
+    let raw_store = open_store(&settings).await?;
     let first_ping = Arc::clone(&raw_store);
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
 

@@ -125,6 +125,56 @@ async fn warm_redis_gateway(
     (redis, upstream, dir, gw)
 }
 
+/// With `store_wait_replicas = 1`, a request is forwarded only once a replica holds its
+/// claim: a frozen replica makes new keys `503` (nothing forwarded, the claim undone), and
+/// once it thaws the same key runs, once.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_no_replica_acknowledged_is_503_and_never_forwarded() {
+    let primary = test_servers::RedisServer::start();
+    let port = primary.port().to_string();
+    let replica = test_servers::RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let config = "store_timeout = \"600ms\"\nstore_wait_replicas = 1\n";
+    let gw = Gateway::start_configured(&dir, &upstream, &primary.url(), config, &[]);
+    // The replica's first sync may take a moment: until then claims are refused too.
+    let warm = eventually(200, || async {
+        let r = send("POST", &gw.url("/warm"), &[key("k-warm")], "x").await;
+        (r.status == 201).then_some(())
+    })
+    .await;
+    assert!(
+        warm.is_some(),
+        "never served with a replica:\n{}",
+        gw.logs()
+    );
+
+    replica.pause();
+    let refused = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+    replica.resume();
+    assert_store_unavailable(&refused);
+    assert_eq!(
+        upstream.hits("/pay"),
+        0,
+        "forwarded without a replica's acknowledgement"
+    );
+
+    let served = eventually(200, || async {
+        let r = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+        (r.status == 201).then_some(())
+    })
+    .await;
+    assert!(
+        served.is_some(),
+        "the undone claim's key is free again:\n{}",
+        gw.logs()
+    );
+    let replay = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
+    assert!(replay.replayed(), "{:?}", replay.headers);
+    assert_eq!(upstream.hits("/pay"), 1);
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread")]
 async fn hung_redis_is_503_within_the_store_timeout_and_nothing_is_forwarded() {

@@ -896,3 +896,69 @@ async fn persistence_is_checked_at_connect() {
         Some(Persistence::Unknown)
     );
 }
+
+/// Waits (at most 10 s) until the Redis behind `raw` has `count` replicas online.
+async fn until_replicas_online(raw: &mut redis::aio::MultiplexedConnection, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(raw)
+            .await
+            .expect("INFO replication");
+        let online = info
+            .lines()
+            .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+            .count();
+        if online >= count {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no replica came online:\n{info}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn wait_replicas_answers_a_new_claim_only_once_enough_replicas_hold_it() {
+    let primary = RedisServer::start();
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    until_replicas_online(&mut raw(&primary).await, 1).await;
+    let mut config = fault_config(&primary);
+    config.wait_replicas = 1;
+    let store = connect(config).await;
+    acquire(&store, "replicated").await;
+
+    // A frozen replica acknowledges nothing: a new claim fails within the store timeout,
+    // naming the replicas, while a claim that takes nothing (here, of a key in flight) does
+    // not wait for them.
+    replica.pause();
+    let started = Instant::now();
+    let refused = claim(&store, "not replicated").await;
+    let waited = started.elapsed();
+    let in_flight = claim(&store, "replicated").await;
+    replica.resume();
+    match refused {
+        Err(ref e @ StoreError::Unavailable { .. }) => assert!(
+            chain(e).contains("0 of the 1 replicas required acknowledged the claim"),
+            "{}",
+            chain(e)
+        ),
+        other => panic!("expected the claim to be refused, got {other:?}"),
+    }
+    assert!(waited < FAULT_TIMEOUT * 2, "took {waited:?}");
+    assert!(
+        matches!(in_flight, Ok(Claim::InFlight { .. })),
+        "{in_flight:?}"
+    );
+
+    // Thawed, the replica acknowledges again; asking for more replicas than there are fails.
+    acquire(&store, "after the thaw").await;
+    let mut config = fault_config(&primary);
+    config.wait_replicas = 2;
+    let greedy = connect(config).await;
+    assert!(matches!(
+        claim(&greedy, "two replicas").await,
+        Err(StoreError::Unavailable { .. })
+    ));
+}

@@ -335,3 +335,39 @@ async fn cluster_urls_are_checked_at_setup() {
     assert!(!message.contains("s3cret"), "{message}");
     assert!(message.contains("127.0.0.1:1"), "{message}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_replicas_waits_on_the_primary_that_took_the_claim() {
+    // Replicas acknowledge writes only once their first sync is over.
+    let cluster = tokio::task::block_in_place(|| {
+        let cluster = RedisCluster::start();
+        for primary in cluster.primaries() {
+            cluster.wait_replicated(primary, Duration::from_secs(10));
+        }
+        cluster
+    });
+    let mut config = config(&cluster, "idemgate-wait-test:");
+    config.timeout = FAULT_TIMEOUT;
+    config.wait_replicas = 1;
+    let store = connect(config).await;
+    let frozen_primary = cluster.primaries()[0];
+    let (on_frozen, elsewhere) = names_by_primary(&cluster, &store, frozen_primary, 2).await;
+    for name in [&on_frozen[0], &elsewhere[0]] {
+        let answer = claim(&store, name).await;
+        assert!(matches!(answer, Ok(Claim::Acquired(_))), "{answer:?}");
+    }
+
+    // With one primary's replica frozen (well under the node timeout, so nothing fails
+    // over), a claim on that primary fails and a claim on another is answered: WAIT went to
+    // the node that wrote each, not to any or every primary.
+    let replica = cluster.replicas_of(frozen_primary)[0];
+    cluster.pause_node(replica);
+    let refused = claim(&store, &on_frozen[1]).await;
+    let served = claim(&store, &elsewhere[1]).await;
+    cluster.resume_node(replica);
+    assert!(
+        matches!(refused, Err(StoreError::Unavailable { .. })),
+        "{refused:?}"
+    );
+    assert!(matches!(served, Ok(Claim::Acquired(_))), "{served:?}");
+}

@@ -145,8 +145,8 @@ impl RedisCluster {
             .collect()
     }
 
-    /// Waits until every replica of the primary on `port` has received everything the
-    /// primary has written (replication offsets equal), at most `within`.
+    /// Waits until every replica of the primary on `port` is online and has received
+    /// everything the primary has written (replication offsets equal), at most `within`.
     pub fn wait_replicated(&self, port: u16, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
@@ -157,9 +157,12 @@ impl RedisCluster {
                     .map(|v| v.trim().to_owned())
             };
             let offset = field("master_repl_offset:");
+            // A replica still in its first full sync shows the primary's offset too, but
+            // acknowledges nothing until it is online.
             let replicas: Vec<String> = info
                 .lines()
                 .filter(|l| l.starts_with("slave") && l.contains("offset="))
+                .filter(|l| l.contains("state=online"))
                 .filter_map(|l| {
                     l.split(',')
                         .find_map(|kv| kv.strip_prefix("offset="))
@@ -189,6 +192,56 @@ impl RedisCluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// The ports of the replicas of the primary on `port`, as a running node sees them.
+    pub fn replicas_of(&self, port: u16) -> Vec<u16> {
+        let nodes = self.cluster_nodes();
+        let lines: Vec<Vec<&str>> = nodes
+            .lines()
+            .map(|line| line.split_whitespace().collect())
+            .filter(|f: &Vec<&str>| f.len() > 3)
+            .collect();
+        let Some(primary_id) = lines
+            .iter()
+            .find(|f| address_port(f[1]) == port)
+            .map(|f| f[0])
+        else {
+            return Vec::new();
+        };
+        lines
+            .iter()
+            .filter(|f| f[2].contains("slave") && f[3] == primary_id)
+            .map(|f| address_port(f[1]))
+            .collect()
+    }
+
+    /// Freezes the node on `port` (SIGSTOP): its connections stay open, it answers nothing
+    /// and takes no replication stream. Thawed by [`resume_node`](Self::resume_node); a node
+    /// frozen past [`NODE_TIMEOUT`] is taken for failed by the others.
+    pub fn pause_node(&self, port: u16) {
+        self.signal_node(port, "-STOP");
+    }
+
+    /// Thaws a node [`pause_node`](Self::pause_node) froze (SIGCONT).
+    pub fn resume_node(&self, port: u16) {
+        self.signal_node(port, "-CONT");
+    }
+
+    fn signal_node(&self, port: u16, signal: &str) {
+        let pid = self
+            .nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .map(Child::id)
+            .unwrap_or_else(|| panic!("no running node on port {port}"));
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
     }
 
     /// Runs `redis-cli -p PORT ARGS…` against a running node and returns its output.

@@ -52,6 +52,14 @@ pub struct RedisStoreConfig {
     /// How long one attempt to open a connection may take. Default
     /// [`DEFAULT_CONNECT_TIMEOUT`](Self::DEFAULT_CONNECT_TIMEOUT).
     pub connect_timeout: Duration,
+    /// Replicas that must hold a claim that took a key before the claim is answered: after
+    /// such a claim the store sends `WAIT wait_replicas timeout` to the node that took it,
+    /// and a claim fewer replicas acknowledged within half the [`timeout`](Self::timeout)
+    /// fails with [`StoreError::Unavailable`] (the layer then undoes it and answers `503`).
+    /// It narrows the window in which a failover to a replica loses an acknowledged claim,
+    /// at the cost of a replication round trip per new key; it cannot close it (see
+    /// [`RedisStore`]'s "What a failover can still lose"). `0`, the default, waits for none.
+    pub wait_replicas: u32,
 }
 
 impl RedisStoreConfig {
@@ -70,6 +78,7 @@ impl RedisStoreConfig {
             key_prefix: Self::DEFAULT_KEY_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+            wait_replicas: 0,
         }
     }
 }
@@ -81,6 +90,7 @@ impl fmt::Debug for RedisStoreConfig {
             .field("key_prefix", &self.key_prefix)
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("wait_replicas", &self.wait_replicas)
             .finish()
     }
 }
@@ -229,11 +239,12 @@ impl Persistence {
 /// Redis replicates asynchronously: a primary acknowledges a claim before its replicas have
 /// it. If the primary dies in that window and a replica is promoted, the claim (or the
 /// completed response) is gone, and a retry that reaches the new primary runs the request
-/// again. `WAIT numreplicas timeout` after a write narrows that window (the caller goes on
-/// only once that many replicas have it) and `min-replicas-to-write` makes a primary that
-/// has lost its replicas refuse writes; idemgate issues neither itself. Neither makes a
-/// failover lossless: the promoted replica may still be one that had not received the
-/// write. Where a second execution is unacceptable, the upstream should also deduplicate on
+/// again. [`RedisStoreConfig::wait_replicas`] narrows that window for claims (a claim that
+/// takes a key is answered only once that many replicas have it, through `WAIT`), and
+/// `min-replicas-to-write` on the server makes a primary that has lost its replicas refuse
+/// writes. Neither makes a failover lossless: the promoted replica may still be one that
+/// had not received the write, and a completed response is not waited for (its claim,
+/// replicated, then lapses under the route's unknown-outcome rule rather than run again). Where a second execution is unacceptable, the upstream should also deduplicate on
 /// the `Idempotency-Key` header, which idemgate always forwards.
 ///
 /// # Connections and timeouts
@@ -258,6 +269,8 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     key_prefix: Arc<[u8]>,
     timeout: Duration,
+    /// [`RedisStoreConfig::wait_replicas`].
+    wait_replicas: u32,
     display_url: Arc<str>,
     eviction_policy: Arc<Mutex<Option<EvictionPolicy>>>,
     persistence: Arc<Mutex<Option<Persistence>>>,
@@ -302,6 +315,32 @@ impl Connection {
                         answer => Ok(answer),
                     })
                     .collect())
+            }
+        }
+    }
+
+    /// `WAIT replicas timeout` on the connection that wrote `key` (on a cluster, the primary
+    /// serving its slot, not every primary as the client would route it): how many replicas
+    /// have every write this connection made so far.
+    async fn wait_for_replicas(
+        &mut self,
+        key: &[u8],
+        replicas: u32,
+        timeout: Duration,
+    ) -> redis::RedisResult<u64> {
+        #[cfg(not(feature = "redis-cluster"))]
+        let _ = key;
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas).arg(timeout.as_millis().max(1) as u64);
+        match self {
+            Self::Single(connection) => cmd.query_async(connection).await,
+            #[cfg(feature = "redis-cluster")]
+            Self::Cluster(connection) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = Route::new(cluster::slot(key), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                let answer = connection.route_command(cmd, routing).await?;
+                Ok(redis::from_redis_value(answer)?)
             }
         }
     }
@@ -372,6 +411,20 @@ struct MarkerState {
 struct DataLossError {
     url: String,
     what: &'static str,
+}
+
+/// The source of the [`StoreError::Unavailable`] a claim gets when fewer replicas than
+/// [`RedisStoreConfig::wait_replicas`] acknowledged it.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "redis at {url}: {acknowledged} of the {wanted} replicas required acknowledged the claim \
+     within {within:?}"
+)]
+struct ReplicasBehind {
+    url: String,
+    wanted: u32,
+    acknowledged: u64,
+    within: Duration,
 }
 
 /// Whether the per-connection set-up ([`RedisStore::sync`]: loading the scripts, checking
@@ -485,6 +538,7 @@ impl RedisStore {
             scripts: Arc::new(Scripts::new()),
             key_prefix: config.key_prefix.into_bytes().into(),
             timeout: config.timeout,
+            wait_replicas: config.wait_replicas,
             display_url,
             eviction_policy: Arc::new(Mutex::new(None)),
             sync: Arc::new(SyncState {
@@ -930,6 +984,30 @@ impl RedisStore {
         out
     }
 
+    /// Waits until [`wait_replicas`](RedisStoreConfig::wait_replicas) replicas hold what
+    /// this store wrote to `record`'s node, within the store timeout; fewer is an error.
+    async fn replicated(&self, record: &[u8]) -> Result<(), StoreError> {
+        let mut connection = self.connection.clone();
+        // WAIT's own timeout is half the call's, so a slow replica is told apart from a dead
+        // connection by the answer, not by the call's timeout.
+        let wait = self.timeout / 2;
+        let acknowledged = self
+            .run(connection.wait_for_replicas(record, self.wait_replicas, wait))
+            .await?;
+        if acknowledged >= u64::from(self.wait_replicas) {
+            return Ok(());
+        }
+        Err(StoreError::Unavailable {
+            backend: BACKEND,
+            source: Box::new(ReplicasBehind {
+                url: self.display_url.to_string(),
+                wanted: self.wait_replicas,
+                acknowledged,
+                within: wait,
+            }),
+        })
+    }
+
     /// Runs one Redis call under the store timeout. A failure that may mean a new
     /// connection (anything but an error reply from Redis) makes a [`sync`](Self::sync) due.
     async fn run<T>(
@@ -1093,6 +1171,10 @@ impl Store for RedisStore {
                 Err(self.data_loss_error())
             }
             Err(ClaimAnswer::Error(e)) => Err(e),
+            Ok(Claim::Acquired(token)) if self.wait_replicas > 0 => {
+                self.replicated(&record).await?;
+                Ok(Claim::Acquired(token))
+            }
             Ok(claim) => Ok(claim),
         }
     }

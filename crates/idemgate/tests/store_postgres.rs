@@ -170,6 +170,76 @@ async fn a_schema_newer_than_the_build_is_refused_naming_both_versions() {
     );
 }
 
+/// The layout version 1 wrote, with its three `CHECK` constraints.
+const SCHEMA_V1: &str = "
+CREATE TABLE idemgate_schema (
+    id boolean PRIMARY KEY DEFAULT true CHECK (id),
+    version integer NOT NULL
+);
+CREATE TABLE idemgate_records (
+    key bytea PRIMARY KEY,
+    state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'ambiguous')),
+    fingerprint bytea NOT NULL,
+    owner bytea,
+    lease_deadline timestamptz,
+    stored_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL,
+    body bytea,
+    CHECK ((state = 'in_flight') = (owner IS NOT NULL AND lease_deadline IS NOT NULL)),
+    CHECK ((state = 'completed') = (body IS NOT NULL))
+) WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_analyze_scale_factor = 0.02);
+CREATE INDEX idemgate_records_expires_at ON idemgate_records (expires_at);
+INSERT INTO idemgate_schema (version) VALUES (1);
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_table_is_migrated_and_keeps_its_records() {
+    let server = PostgresServer::start();
+    let client = raw(&server).await;
+    client
+        .batch_execute(SCHEMA_V1)
+        .await
+        .expect("lay out version 1");
+    client
+        .execute(
+            "INSERT INTO idemgate_records (key, state, fingerprint, owner, lease_deadline, \
+             stored_at, expires_at) VALUES ($1, 'in_flight', $2, $3, now() + interval '1 hour', \
+             now(), now() + interval '1 hour')",
+            &[
+                &&key("held").0[..],
+                &&fingerprint("held").0[..],
+                &&[7u8; 16][..],
+            ],
+        )
+        .await
+        .expect("a version 1 record");
+
+    let store = connect(config(&server)).await;
+    let version: i32 = client
+        .query_one("SELECT version FROM idemgate_schema", &[])
+        .await
+        .expect("the version")
+        .get(0);
+    assert_eq!(version, PostgresStore::SCHEMA_VERSION);
+    let checks: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_constraint \
+             WHERE conrelid = 'idemgate_records'::regclass AND contype = 'c'",
+            &[],
+        )
+        .await
+        .expect("count the constraints")
+        .get(0);
+    assert_eq!(checks, 0, "the CHECK constraints are gone");
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    let held = claim(&store, "held", &long).await;
+    assert!(matches!(held, Ok(Claim::InFlight { .. })), "{held:?}");
+    acquire(&store, "new", &long).await;
+    // A second gateway finds version 2 and changes nothing.
+    connect(config(&server)).await;
+    assert_eq!(row_count(&client).await, 2);
+}
+
 /// A lazily connected store is made while the server is down, fails every call meanwhile,
 /// and sets the tables up at its first successful connection; one that finds a newer table
 /// fails every call naming both versions, and works again once the table is one it reads.

@@ -151,7 +151,7 @@ impl PostgresStore {
     /// `idemgate_schema`; [`connect`](Self::connect) refuses a newer one.
     ///
     /// ```
-    /// assert_eq!(idemgate::store::PostgresStore::SCHEMA_VERSION, 1);
+    /// assert_eq!(idemgate::store::PostgresStore::SCHEMA_VERSION, 2);
     /// ```
     pub const SCHEMA_VERSION: i32 = schema::SCHEMA_VERSION;
 

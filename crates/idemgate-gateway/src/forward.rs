@@ -183,51 +183,67 @@ where
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started) + shared.timeout;
         let sent = exchange(&shared.pool, &parts, &own, &mut body, deadline).await;
-        Ok(match sent {
-            Ok((mut head, connection)) => {
-                let unsent = UnsentBody::take(&mut head, body);
-                shared.metrics.observe_upstream(started.elapsed());
-                prepare_response_headers(&mut head.headers);
-                let body = ProxyBody::upstream(
-                    BodyReader::new(&head, connection, shared.timeout, unsent),
-                    &shared.pool,
+        Ok(answer(shared, client_version, body, sent, started))
+    }
+}
+
+/// The client's response to what [`exchange`] returned: the upstream's response, its body
+/// read as the client reads it, or the problem that stands for its failure.
+fn answer<B>(
+    shared: &ForwarderShared,
+    client_version: http::Version,
+    body: RequestBody<B>,
+    sent: Result<(ResponseHead, Box<Connection>), ForwardError>,
+    started: Instant,
+) -> Response<ProxyBody>
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match sent {
+        Ok((mut head, connection)) => {
+            let unsent = UnsentBody::take(&mut head, body);
+            shared.metrics.observe_upstream(started.elapsed());
+            prepare_response_headers(&mut head.headers);
+            let body = ProxyBody::upstream(
+                BodyReader::new(&head, connection, shared.timeout, unsent),
+                &shared.pool,
+            );
+            let mut response = Response::new(body);
+            *response.status_mut() = head.status;
+            // Answer in the client's protocol version, whatever the upstream spoke (an
+            // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
+            *response.version_mut() = client_version;
+            *response.headers_mut() = head.headers;
+            response
+        }
+        Err(ForwardError::Client(client::SendError::BodyBeforeSent(error))) => {
+            // The client's body broke off (or overran its length) before anything went
+            // upstream: not the upstream's failure, and nothing was sent.
+            tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
+            problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
+        }
+        Err(ForwardError::Client(client::SendError::NoResponse(ClientError::RequestBody(
+            error,
+        )))) => {
+            // The same after part of the request went out: the upstream holds an incomplete
+            // message, which is not the upstream's failure either, but what it made of it
+            // is not known.
+            tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
+            problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
+        }
+        Err(error) => {
+            let kind = error.kind();
+            if kind == UpstreamErrorKind::Timeout {
+                tracing::warn!(
+                    after_ms = shared.timeout.as_millis() as u64,
+                    "upstream timed out"
                 );
-                let mut response = Response::new(body);
-                *response.status_mut() = head.status;
-                // Answer in the client's protocol version, whatever the upstream spoke (an
-                // HTTP/1.0 upstream must not turn the client's HTTP/1.1 response into 1.0).
-                *response.version_mut() = client_version;
-                *response.headers_mut() = head.headers;
-                response
+            } else {
+                tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
             }
-            Err(ForwardError::Client(client::SendError::BodyBeforeSent(error))) => {
-                // The client's body broke off (or overran its length) before anything went
-                // upstream: not the upstream's failure, and nothing was sent.
-                tracing::debug!(error = %ErrorChain(&*error), "request body failed before it was sent");
-                problem_response(Problem::request_body_error(), UpstreamFailure::NotSent)
-            }
-            Err(ForwardError::Client(client::SendError::NoResponse(ClientError::RequestBody(
-                error,
-            )))) => {
-                // The same after part of the request went out: the upstream holds an incomplete
-                // message, which is not the upstream's failure either, but what it made of it
-                // is not known.
-                tracing::debug!(error = %ErrorChain(&*error), "request body failed while it was sent");
-                problem_response(Problem::request_body_error(), UpstreamFailure::Unknown)
-            }
-            Err(error) => {
-                let kind = error.kind();
-                if kind == UpstreamErrorKind::Timeout {
-                    tracing::warn!(
-                        after_ms = shared.timeout.as_millis() as u64,
-                        "upstream timed out"
-                    );
-                } else {
-                    tracing::warn!(error = %ErrorChain(&error), kind = kind.as_str(), "upstream request failed");
-                }
-                upstream_failure(kind, shared)
-            }
-        })
+            upstream_failure(kind, shared)
+        }
     }
 }
 

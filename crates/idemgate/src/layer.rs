@@ -43,6 +43,15 @@ impl std::fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `store` with the `api` preset on every path.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idemgate::{IdempotencyLayer, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()));
+    /// # let _ = layer; }
+    /// ```
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
             settings: Arc::new(LayerSettings {

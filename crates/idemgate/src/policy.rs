@@ -135,6 +135,16 @@ impl StatusSet {
 
     /// Builds a set from config entries applied in order: `"2xx"` adds a class, `"404"` adds
     /// one code, and a leading `!` removes instead (`"!429"`, `"!5xx"`).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idemgate::policy::StatusSet;
+    ///
+    /// let kept = StatusSet::parse(&["2xx", "4xx", "!429"]).unwrap();
+    /// assert!(kept.contains(StatusCode::CREATED));
+    /// assert!(!kept.contains(StatusCode::TOO_MANY_REQUESTS));
+    /// assert!(StatusSet::parse(&["7xx"]).is_err());
+    /// ```
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, String> {
         let mut set = Self::empty();
         for entry in entries {
@@ -237,7 +247,21 @@ pub enum OnStoreError {
     Pass,
 }
 
-/// Everything the layer needs to know about one route.
+/// Everything the layer needs to know about one route: start from a preset and change what
+/// differs.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemgate::RoutePolicy;
+/// use idemgate::policy::StatusSet;
+///
+/// let payments = RoutePolicy::strict()
+///     .name("payments")
+///     .require_key(true)
+///     .ttl(Duration::from_secs(24 * 3600))
+///     .store_statuses(StatusSet::parse(&["2xx", "4xx", "!429"]).unwrap());
+/// assert_eq!(payments.route_name(), "payments");
+/// ```
 #[derive(Clone, Debug)]
 pub struct RoutePolicy {
     pub(crate) name: String,

@@ -45,6 +45,20 @@ static UNDOING: AtomicUsize = AtomicUsize::new(0);
 const RELAY_FRAMES: usize = 8;
 
 /// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// ```
+/// use std::sync::Arc;
+/// use tower::{Layer, service_fn};
+/// use idemgate::{IdempotencyLayer, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let app = service_fn(|_: http::Request<String>| async {
+///     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("done")))
+/// });
+/// let service = IdempotencyLayer::new(Arc::new(MemoryStore::new())).layer(app);
+/// let _app = service.into_inner();
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,

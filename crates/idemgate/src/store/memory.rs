@@ -80,6 +80,21 @@ impl Default for MemoryStoreConfig {
 /// and never repeat the key. A record replayed more than twice also keeps its decoded
 /// response (a header map whose values are views into the encoded bytes), so later replays
 /// share it instead of decoding the record each time.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemgate::store::{MemoryStore, MemoryStoreConfig};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// // Made inside a Tokio runtime, it sweeps expired records in the background.
+/// let store = MemoryStore::with_config(MemoryStoreConfig {
+///     capacity: 100_000,
+///     sweep_interval: Duration::from_secs(5),
+///     ..MemoryStoreConfig::default()
+/// });
+/// assert!(store.is_empty());
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Inner>,

@@ -190,6 +190,45 @@ fn decode_completion(
 ///   `Clone` share one underlying store.
 /// - **Errors.** A failed call changes nothing it did not report as changed; callers treat a
 ///   [`StoreError`] from `claim` as "not claimed".
+///
+/// # Example
+///
+/// The layer makes these calls; a consumer of another kind (a queue worker) can make them
+/// itself: claim, do the work, complete; a second claim then finds the kept response.
+///
+/// ```
+/// use std::time::Duration;
+/// use bytes::Bytes;
+/// use http::{HeaderMap, StatusCode};
+/// use idemgate::record::{Completion, FingerprintHash, OwnerToken, RecordKey, StoredResponse};
+/// use idemgate::store::{Claim, ClaimOptions, MemoryStore, Store, Transition, UnknownOutcome};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idemgate::store::StoreError> {
+/// let store = MemoryStore::new();
+/// let (key, fingerprint) = (RecordKey::of(b"order-42"), FingerprintHash::of(b"body"));
+/// let options = ClaimOptions {
+///     lease: Duration::from_secs(30),
+///     ttl: Duration::from_secs(3600),
+///     on_lapse: UnknownOutcome::Ambiguous,
+/// };
+/// let Claim::Acquired(token) = store
+///     .claim(&key, &fingerprint, OwnerToken::generate(), &options)
+///     .await?
+/// else {
+///     unreachable!("a new key is acquired");
+/// };
+/// // ... do the work once ...
+/// let done = Completion::Response(StoredResponse {
+///     status: StatusCode::CREATED,
+///     headers: HeaderMap::new(),
+///     body: Bytes::from_static(b"shipped"),
+/// });
+/// let kept = store.complete(&key, token, done, options.ttl).await?;
+/// assert_eq!(kept, Transition::Applied);
+/// let again = store.claim(&key, &fingerprint, OwnerToken::generate(), &options).await?;
+/// assert!(matches!(again, Claim::Completed(_)));
+/// # Ok(()) }
+/// ```
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for a request with `fingerprint`, or reports what holds it.

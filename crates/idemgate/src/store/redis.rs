@@ -263,6 +263,20 @@ impl Persistence {
 /// The layer undoes such a claim with a fenced release under the token it chose for it,
 /// sent on the same connection and so applied after the claim. Only if that release is lost
 /// too does the claim stay until its lease lapses, as when a gateway dies.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use idemgate::IdempotencyLayer;
+/// use idemgate::store::{RedisStore, RedisStoreConfig};
+///
+/// # #[tokio::main] async fn main() -> Result<(), idemgate::store::StoreError> {
+/// let mut config = RedisStoreConfig::new("redis://127.0.0.1:6379");
+/// config.key_prefix = "payments:".to_owned();
+/// config.timeout = Duration::from_millis(500);
+/// let layer = IdempotencyLayer::new(Arc::new(RedisStore::connect(config).await?));
+/// # let _ = layer; Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,

@@ -125,6 +125,17 @@ async fn warm_redis_gateway(
     (redis, upstream, dir, gw)
 }
 
+/// Whether a POST to `path` with `name`'s key is answered `201` within ten seconds of tries.
+#[cfg(feature = "redis")]
+async fn runs_within_ten_seconds(gw: &Gateway, path: &str, name: &str) -> bool {
+    eventually(200, || async {
+        let r = send("POST", &gw.url(path), &[key(name)], "x").await;
+        (r.status == 201).then_some(())
+    })
+    .await
+    .is_some()
+}
+
 /// With `store_wait_replicas = 1`, a request is forwarded only once a replica holds its
 /// claim: a frozen replica makes new keys `503` (nothing forwarded, the claim undone), and
 /// once it thaws the same key runs, once.
@@ -139,14 +150,10 @@ async fn a_claim_no_replica_acknowledged_is_503_and_never_forwarded() {
     let config = "store_timeout = \"600ms\"\nstore_wait_replicas = 1\n";
     let gw = Gateway::start_configured(&dir, &upstream, &primary.url(), config, &[]);
     // The replica's first sync may take a moment: until then claims are refused too.
-    let warm = eventually(200, || async {
-        let r = send("POST", &gw.url("/warm"), &[key("k-warm")], "x").await;
-        (r.status == 201).then_some(())
-    })
-    .await;
     assert!(
-        warm.is_some(),
-        "never served with a replica:\n{}",
+        runs_within_ten_seconds(&gw, "/warm", "k-warm").await,
+        "never served with a replica:
+{}",
         gw.logs()
     );
 
@@ -160,14 +167,10 @@ async fn a_claim_no_replica_acknowledged_is_503_and_never_forwarded() {
         "forwarded without a replica's acknowledgement"
     );
 
-    let served = eventually(200, || async {
-        let r = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;
-        (r.status == 201).then_some(())
-    })
-    .await;
     assert!(
-        served.is_some(),
-        "the undone claim's key is free again:\n{}",
+        runs_within_ten_seconds(&gw, "/pay", "k-1").await,
+        "the undone claim's key is free again:
+{}",
         gw.logs()
     );
     let replay = send("POST", &gw.url("/pay"), &[key("k-1")], "x").await;

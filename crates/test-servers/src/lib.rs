@@ -10,6 +10,16 @@ pub use postgres::PostgresServer;
 pub use redis::RedisServer;
 pub use redis_cluster::RedisCluster;
 
+/// Sends `signal` (`-STOP`, `-CONT`) to `pid`, a server this crate started.
+pub(crate) fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(signal)
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid} failed");
+}
+
 /// A loopback port free when asked (the listener is dropped at once; the server binds it next).
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -128,12 +128,7 @@ impl RedisServer {
 
     fn signal(&self, signal: &str) {
         let pid = self.pid().expect("redis-server is not running");
-        let status = Command::new("kill")
-            .arg(signal)
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} {pid} failed");
+        crate::signal(pid, signal);
     }
 
     /// Spawns redis-server on `self.port`; true once it answers PING, false if it exited.

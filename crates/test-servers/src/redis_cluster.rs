@@ -236,12 +236,7 @@ impl RedisCluster {
             .and_then(|n| n.child.as_ref())
             .map(Child::id)
             .unwrap_or_else(|| panic!("no running node on port {port}"));
-        let status = Command::new("kill")
-            .arg(signal)
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} {pid} failed");
+        crate::signal(pid, signal);
     }
 
     /// Runs `redis-cli -p PORT ARGS…` against a running node and returns its output.

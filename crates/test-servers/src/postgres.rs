@@ -165,25 +165,16 @@ impl PostgresServer {
             .unwrap_or_else(|e| panic!("cannot run postgres: {e}"));
         self.child = Some(child);
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let deadline = Instant::now() + READY_WITHIN;
-        while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(_)) = child.try_wait()
-            {
-                self.child = None;
-                return false;
-            }
-            let ready = std::fs::read(&log_path).is_ok_and(|l| {
+        let ready = crate::wait_until_ready(&mut self.child, READY_WITHIN, || {
+            std::fs::read(&log_path).is_ok_and(|l| {
                 String::from_utf8_lossy(&l[logged_before.min(l.len() as u64) as usize..])
                     .contains("ready to accept connections")
-            }) && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok();
-            if ready {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+            }) && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+        });
+        if !ready {
+            self.stop();
         }
-        self.stop();
-        false
+        ready
     }
 }
 

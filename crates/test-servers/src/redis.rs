@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a freshly spawned server may take to answer PING.
 const READY_WITHIN: Duration = Duration::from_secs(10);
@@ -166,30 +166,22 @@ impl RedisServer {
         };
         self.child = Some(child);
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let deadline = Instant::now() + READY_WITHIN;
-        while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(_)) = child.try_wait()
-            {
-                self.child = None;
-                return false;
-            }
+        let tls = self.tls;
+        let ready = crate::wait_until_ready(&mut self.child, READY_WITHIN, || {
             // A TLS server would need a handshake to PING: it is ready once it accepts and its
             // log says so (the log is new with each server).
-            let ready = if self.tls {
+            if tls {
                 TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
                     && std::fs::read_to_string(&log)
                         .is_ok_and(|l| l.contains("Ready to accept connections"))
             } else {
                 answers_ping(addr)
-            };
-            if ready {
-                return true;
             }
-            std::thread::sleep(Duration::from_millis(10));
+        });
+        if !ready {
+            self.stop();
         }
-        self.stop();
-        false
+        ready
     }
 }
 

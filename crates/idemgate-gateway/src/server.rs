@@ -200,18 +200,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     ));
 
     let draining = Arc::new(AtomicBool::new(false));
-    let admin_state = Arc::new(AdminState {
-        store: Arc::clone(&store),
-        store_timeout: settings.store_timeout,
-        metrics: Arc::clone(&metrics),
-        stats: Arc::clone(&stats),
-        token: settings.admin_token.clone(),
-        // Every route's policy, the default first, for the admin record endpoints.
-        routes: std::iter::once(settings.default_route.clone())
-            .chain(settings.routes.iter().map(|r| r.policy.clone()))
-            .collect(),
-        draining: Arc::clone(&draining),
-    });
+    let admin_state = admin_state(&settings, &store, &metrics, &stats, &draining);
     let (stop_tx, stop_rx) = watch::channel(false);
     let admin_task = tokio::spawn(admin_loop(admin_listener, admin_state, stop_rx.clone()));
 
@@ -252,6 +241,28 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
     .await;
     admin_task.abort();
     Ok(())
+}
+
+/// What the admin listener answers from: the store, the counters, the token, and every
+/// route's policy (the default first) for the record endpoints.
+fn admin_state(
+    settings: &Settings,
+    store: &Arc<dyn Store>,
+    metrics: &Arc<Metrics>,
+    stats: &Arc<LayerStats>,
+    draining: &Arc<AtomicBool>,
+) -> Arc<AdminState> {
+    Arc::new(AdminState {
+        store: Arc::clone(store),
+        store_timeout: settings.store_timeout,
+        metrics: Arc::clone(metrics),
+        stats: Arc::clone(stats),
+        token: settings.admin_token.clone(),
+        routes: std::iter::once(settings.default_route.clone())
+            .chain(settings.routes.iter().map(|r| r.policy.clone()))
+            .collect(),
+        draining: Arc::clone(draining),
+    })
 }
 
 /// Says the gateway is up: a fixed, parseable line for scripts and tests (the log format may
@@ -538,45 +549,66 @@ async fn serve_connection<S, B>(
         registered: false,
     };
     let result = std::future::poll_fn(|cx| {
-        loop {
-            if let Poll::Ready(result) = serving.poll(cx) {
-                return Poll::Ready(result);
-            }
-            // A client that hangs up on its HTTP/1.1 request ends the connection, which drops
-            // the request: a pass-through call is cancelled, a keyed request's work goes on
-            // and keeps its response for the retry. (hyper, set to allow half-closed
-            // connections, does not read until the response is written; an HTTP/2 client
-            // resets its stream instead.) Looked for while the response is not ready yet. A
-            // client that closes only its sending side after its request counts as gone too,
-            // as it did with hyper's own look; so does one that pipelined more requests before
-            // closing it, none of which is answered (hyper's look answered the first).
-            if activity.awaits_http1_response() && stream.poll_hung_up(cx) {
-                tracing::debug!("client hung up with a request in progress");
-                return Poll::Ready(Ok(()));
-            }
-            if !serving.closing && stop.poll_stopped(cx) {
-                serving.close_gracefully();
-                continue;
-            }
-            match looks.poll_look(cx, &activity) {
-                None => return Poll::Pending,
-                // An HTTP/1.1 request in progress still gets its response first, as long as
-                // it keeps moving: the watchdog goes on looking.
-                Some(Verdict::Close(_)) => serving.close_gracefully(),
-                Some(Verdict::LookIn(_)) => {}
-                Some(Verdict::Cut) => {
-                    tracing::debug!(
-                        "connection cut: no request head in time, or no bytes moving after a close"
-                    );
-                    return Poll::Ready(Ok(()));
-                }
-            }
-        }
+        poll_connection(cx, &mut serving, &activity, &stream, &mut stop, &mut looks)
     })
     .await;
     if let Err(error) = result {
         count_unrouted(&metrics, &error);
         tracing::debug!(error = %error, "client connection ended with an error");
+    }
+}
+
+/// One wake-up of a client connection: serve it, then look for a client's hang-up, the stop
+/// signal and the watchdog's verdict, until none of them has more to do now.
+#[inline]
+fn poll_connection<S, B, F, C>(
+    cx: &mut Context<'_>,
+    serving: &mut Serving<'_, S, B, F>,
+    activity: &Activity,
+    stream: &ClientStream,
+    stop: &mut StopSignal<'_, C>,
+    looks: &mut WatchdogLooks<'_>,
+) -> Poll<Result<(), ConnectionError>>
+where
+    S: ConnectionService<B>,
+    B: http_body::Body<Data = Bytes> + FrontBody + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    F: Future<Output = End>,
+    C: Future,
+{
+    loop {
+        if let Poll::Ready(result) = serving.poll(cx) {
+            return Poll::Ready(result);
+        }
+        // A client that hangs up on its HTTP/1.1 request ends the connection, which drops
+        // the request: a pass-through call is cancelled, a keyed request's work goes on
+        // and keeps its response for the retry. (hyper, set to allow half-closed
+        // connections, does not read until the response is written; an HTTP/2 client
+        // resets its stream instead.) Looked for while the response is not ready yet. A
+        // client that closes only its sending side after its request counts as gone too,
+        // as it did with hyper's own look; so does one that pipelined more requests before
+        // closing it, none of which is answered (hyper's look answered the first).
+        if activity.awaits_http1_response() && stream.poll_hung_up(cx) {
+            tracing::debug!("client hung up with a request in progress");
+            return Poll::Ready(Ok(()));
+        }
+        if !serving.closing && stop.poll_stopped(cx) {
+            serving.close_gracefully();
+            continue;
+        }
+        match looks.poll_look(cx, activity) {
+            None => return Poll::Pending,
+            // An HTTP/1.1 request in progress still gets its response first, as long as
+            // it keeps moving: the watchdog goes on looking.
+            Some(Verdict::Close(_)) => serving.close_gracefully(),
+            Some(Verdict::LookIn(_)) => {}
+            Some(Verdict::Cut) => {
+                tracing::debug!(
+                    "connection cut: no request head in time, or no bytes moving after a close"
+                );
+                return Poll::Ready(Ok(()));
+            }
+        }
     }
 }
 

@@ -62,7 +62,7 @@ build_release() {
     # features their dev-dependencies turn on (tokio's test-util).
     cargo build --release --locked --bins "$@" >&2
     cargo build --release --locked --examples "$@" >&2
-    BIN="$ROOT/target/release"
+    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release"
 }
 
 # Starts the benchmark upstream on core $1; sets UPSTREAM (its address) and UPSTREAM_PID.

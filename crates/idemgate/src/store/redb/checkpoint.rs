@@ -83,9 +83,14 @@ impl DurableCommit {
 
 /// Makes every commit before it durable: an empty transaction, committed durably.
 fn commit_durably(db: &Database) -> Result<(), redb::Error> {
+    let started = Instant::now();
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     txn.commit()?;
+    tracing::debug!(
+        sync_us = started.elapsed().as_micros() as u64,
+        "redb checkpoint: synced"
+    );
     Ok(())
 }
 
@@ -99,9 +104,14 @@ impl Writer {
         else {
             return Err(redb::Error::PreviousIo);
         };
+        let started = Instant::now();
         record_checkpoint(&txn, journal.last(), self.rows.next, FORMAT)?;
         txn.set_durability(Durability::None)?;
         txn.commit()?;
+        tracing::debug!(
+            commit_us = started.elapsed().as_micros() as u64,
+            "redb checkpoint: the second's transaction committed, its sync begins"
+        );
         journal.begin_checkpoint();
         let base = db.begin_read()?.open_table(RECORDS)?;
         self.running = Some(RunningCheckpoint {
@@ -140,10 +150,17 @@ impl Writer {
         };
         let synced = commit.join();
         drop(base);
+        let started = Instant::now();
+        let rows = overlay.len();
         let result = synced.and_then(|()| {
             let db = self.db.as_ref().ok_or(redb::Error::PreviousIo)?;
             let txn = db.begin_write()?;
             overlay.apply_to(&mut txn.open_table(RECORDS)?)?;
+            tracing::debug!(
+                apply_us = started.elapsed().as_micros() as u64,
+                rows,
+                "redb checkpoint: the rows changed during its sync applied"
+            );
             self.txn = Some(txn);
             Ok(())
         });

@@ -38,6 +38,11 @@ impl Overlay {
         self.bytes
     }
 
+    /// How many rows changed.
+    pub(super) fn len(&self) -> usize {
+        self.changes.len()
+    }
+
     /// Writes the overlay's changes to `table` (of a write transaction begun once the
     /// checkpoint finished).
     pub(super) fn apply_to(self, table: &mut RecordsTable<'_>) -> Result<(), redb::Error> {

@@ -46,6 +46,9 @@ impl Drop for TempPath {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
         let _ = std::fs::remove_file(self.journal());
+        let mut second = self.journal().into_os_string();
+        second.push("-2");
+        let _ = std::fs::remove_file(second);
     }
 }
 

@@ -14,14 +14,19 @@
 //! A batch is made durable by its journal frame: the batch is applied to the writer's open
 //! write transaction, which is not committed, and its row changes are appended to the journal
 //! beside the file and synced (one write, where a durable redb commit writes some twenty
-//! scattered pages). About once a second, or when the journal passes 16 MiB, that transaction
-//! is committed durably (a checkpoint): the pages the batches of a second changed again and
-//! again are copied and written once. The journal then starts again; at open, the frames
-//! written since the last checkpoint are applied again (see [`journal`]). A clean close ends
-//! with a checkpoint, and an idle writer checkpoints its last frames at its next sweep tick
-//! once one is due, so a change lives in the journal alone for a second or two at most. Any
-//! failure once the transaction holds changes refuses changes until the file is reopened,
-//! which applies the journal.
+//! scattered pages). About once a second, or when the journal passes 16 MiB, the database is
+//! checkpointed: the pages the batches of a second changed again and again are copied and
+//! written once. The checkpoint's sync takes tens of milliseconds and runs on a thread of its
+//! own (see [`checkpoint`]): the transaction is committed without a sync, an empty durable
+//! commit on that thread makes it durable, and meanwhile the writer keeps taking batches,
+//! journals them to the journal's other file and holds their row changes in memory above the
+//! table the checkpoint commits, which every read and decision consults; once the sync
+//! returns, they go to the next write transaction. At open, the frames written since the last
+//! checkpoint are applied again (see [`journal`]). A clean close ends with a checkpoint, and
+//! an idle writer checkpoints its last frames at its next sweep tick once one is due, so a
+//! change lives in the journal alone for a second or two at most. Any failure once the
+//! transaction holds changes, and a checkpoint whose sync fails, refuses changes until the
+//! file is reopened, which applies the journal.
 //!
 //! Deadlines are stored as wall-clock milliseconds since the Unix epoch, because the file
 //! outlives the process that wrote it, but judged on the writer's [`Clock`]: the wall clock
@@ -35,7 +40,9 @@
 //! | file | what |
 //! | --- | --- |
 //! | `redb.rs` | [`RedbStore`]: opening, the writer's queue, the [`Store`] methods |
-//! | `writer.rs` | the writer thread: batches, group commit, checkpoints, a failed file's refusal, read view and reopening |
+//! | `writer.rs` | the writer thread: batches, group commit, a failed file's refusal, read view and reopening |
+//! | `checkpoint.rs` | checkpoints: the durable commit on its own thread, the batches taken meanwhile |
+//! | `overlay.rs` | the table a batch reads and writes: the open transaction's, or a checkpoint's under the rows changed since |
 //! | `apply.rs` | one batch's calls applied to the open write transaction |
 //! | `claim.rs` | what a claim does about the record it finds; the answers a read view gives |
 //! | `ops.rs` | the calls the writer takes and how their answers reach the callers |
@@ -43,7 +50,7 @@
 //! | `index.rs` | the in-memory index of rows and expiries |
 //! | `open.rs` | opening the file: format, journal recovery and its checks, checkpoint marks |
 //! | `migrate.rs` | older layouts brought over |
-//! | `journal.rs` | the journal's frames |
+//! | `journal.rs` | the journal's frames, in two files used in turn |
 //! | `clock.rs` | the clock deadlines are judged on |
 //! | `disk.rs` | the file I/O seam (and `sim_disk.rs`, its faulty double for tests) |
 //!
@@ -69,7 +76,9 @@
 //! 36 bytes in the set).
 //!
 //! The file's other table, `journal`, holds the file's format (a binary refuses a file in a
-//! newer format than its own, naming both), the journal's id (so a journal left beside
+//! newer format than its own, naming both; a running store's file is in format 4, whose
+//! journal may go on in its second file, and a clean close leaves format 3, which a binary
+//! reading only the first can open), the journal's id (so a journal left beside
 //! another database is not applied) and, written with each checkpoint, the sequence number of
 //! the last journal frame whose changes the database holds and the file's mark: the row
 //! high-water mark, the number of rows and a digest of the last one. The journal's frames are
@@ -104,6 +113,7 @@ use super::{Claim, ClaimOptions, Store, StoreError, Transition};
 use crate::record::{Completion, DecodeError, FingerprintHash, OwnerToken, Record, RecordKey};
 
 mod apply;
+mod checkpoint;
 mod claim;
 mod clock;
 mod codec;
@@ -113,6 +123,7 @@ mod journal;
 mod migrate;
 mod open;
 mod ops;
+mod overlay;
 #[cfg(test)]
 mod sim_disk;
 mod writer;
@@ -242,9 +253,12 @@ enum RedbError {
          applied. The file was changed since its last checkpoint by a program that does not \
          keep the journal (an idemgate from before the journal, started after a crash): \
          applying the frames would write stale records over newer ones. To keep the file as \
-         it is, losing the changes only the journal holds, move the journal away: \
-         mv '{}' '{}.rejected'. A downgrade needs a clean stop first",
+         it is, losing the changes only the journal holds, move the journal's two files \
+         away: mv '{}' '{}.rejected'; mv '{}-2' '{}-2.rejected'. A downgrade needs a clean \
+         stop first",
         path.display(),
+        journal.display(),
+        journal.display(),
         journal.display(),
         journal.display(),
         journal.display()
@@ -297,7 +311,8 @@ impl RedbStore {
             commits: Arc::clone(&commits),
             answers: Arc::clone(&answers),
             txn: None,
-            db: Some(db),
+            running: None,
+            db: Some(Arc::new(db)),
             journal: Some(journal),
             checkpointed_at: Instant::now(),
             clock,
@@ -355,8 +370,10 @@ impl RedbStore {
     }
 
     /// The database's journal: the file beside it, named after it with `-journal` added, that
-    /// holds the changes made since the database was last committed durably. It belongs with
-    /// the database file: a copy of one without the other may miss acknowledged changes.
+    /// holds the changes made since the database was last committed durably, with its second
+    /// file (this name with `-2` added), which takes the changes made while a checkpoint
+    /// syncs. They belong with the database file: a copy of it without them may miss
+    /// acknowledged changes.
     pub fn journal_path(&self) -> PathBuf {
         Journal::path_for(&self.shared.path)
     }

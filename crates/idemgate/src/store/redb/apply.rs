@@ -3,17 +3,15 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use redb::ReadableTable;
 
 use super::claim::{ReadView, seen};
 use super::clock::{after, millis};
-use super::codec::{
-    Found, Header, StateHeader, StoredRow, decode_completion, encode_row_into, parse_row, split_row,
-};
+use super::codec::{Found, Header, StateHeader, decode_completion, encode_row_into, parse_row};
 use super::corrupt;
 use super::index::RowIndex;
 use super::journal::Journal;
 use super::ops::{Done, Op, Reply, Settled, Unanswered, done};
+use super::overlay::{Records, RowValue};
 use crate::record::{FingerprintHash, OwnerToken, Record, RecordKey};
 use crate::store::decision::{ClaimStep, decide};
 use crate::store::{Claim, ClaimOptions, StoreError, Transition};
@@ -22,7 +20,7 @@ use crate::store::{Claim, ClaimOptions, StoreError, Transition};
 pub(super) const SWEEP_BATCH: usize = 1000;
 
 pub(super) struct Tables<'t> {
-    pub(super) records: redb::Table<'t, u64, &'static [u8]>,
+    pub(super) records: Records<'t>,
     pub(super) rows: &'t mut RowIndex,
     /// Where the batch's row changes are gathered for its journal frame.
     pub(super) journal: &'t mut Journal,
@@ -129,7 +127,7 @@ impl Tables<'_> {
     pub(super) fn stored(
         &self,
         key: &RecordKey,
-    ) -> Result<Option<(u64, StoredRow<'_>)>, redb::Error> {
+    ) -> Result<Option<(u64, RowValue<'_>)>, redb::Error> {
         let Some(row) = self.rows.row_of(key) else {
             return Ok(None);
         };
@@ -182,13 +180,11 @@ impl Tables<'_> {
     /// Removes a row from the table and notes it in the batch's journal frame; `None` if
     /// there was no such row, else the record key it held (`None` if undecodable).
     pub(super) fn take_row(&mut self, row: u64) -> Result<Option<Option<RecordKey>>, redb::Error> {
-        let Some(value) = self.records.remove(row)? else {
-            return Ok(None);
-        };
-        let key = split_row(value.value()).ok().map(|(key, _)| key);
-        drop(value);
-        self.journal.remove(row);
-        Ok(Some(key))
+        let removed = self.records.remove(row)?;
+        if removed.is_some() {
+            self.journal.remove(row);
+        }
+        Ok(removed)
     }
 
     /// Removes a row and its expiry entry (the key's entry is the caller's to update).

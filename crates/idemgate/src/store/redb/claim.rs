@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use redb::ReadableTable;
-
 use super::codec::{Header, StateHeader, decode_completion, parse_row};
 use super::corrupt;
 use super::index::RowIndex;
+use super::overlay::Records;
 use crate::record::{DecodeError, FingerprintHash, Record, RecordKey};
 use crate::store::decision::{ClaimStep, Found, Held, decide};
 use crate::store::{Claim, ClaimOptions, StoreError};
@@ -32,12 +31,12 @@ pub(super) fn seen<'a>(
 }
 
 /// The records as a file that refuses writes still answers them: calls that change nothing.
-pub(super) struct ReadView<'a, T> {
-    pub(super) records: &'a T,
+pub(super) struct ReadView<'a, 't> {
+    pub(super) records: &'a Records<'t>,
     pub(super) rows: &'a RowIndex,
 }
 
-impl<T: ReadableTable<u64, &'static [u8]>> ReadView<'_, T> {
+impl ReadView<'_, '_> {
     /// The header and completion bytes of `key`'s record, read in place, if it has one.
     pub(super) fn with_record<R>(
         &self,

@@ -225,9 +225,6 @@ pub(super) fn parse_row(row: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
 /// A record's row number and its header (or why it could not be read).
 pub(super) type Found = (u64, Result<Header, DecodeError>);
 
-/// A stored row, read in place from its page.
-pub(super) type StoredRow<'a> = redb::AccessGuard<'a, &'static [u8]>;
-
 #[cfg(test)]
 mod proptests {
     use proptest::prelude::*;

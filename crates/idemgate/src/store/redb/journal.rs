@@ -1,17 +1,26 @@
 //! The redb store's journal: each batch's row changes since the last checkpoint, appended to a
-//! file of its own beside the database and synced before the batch's callers are answered.
+//! file beside the database and synced before the batch's callers are answered.
 //!
 //! A durable redb commit writes every page the batch touched (the table's leaves and branches,
 //! the allocator's and the free list's pages) where each lives in the file, about twenty
 //! scattered writes, then syncs. Appending the same batch's row changes to the journal is one
 //! write at the journal's end. So the writer applies the batches to one open write
 //! transaction and makes each durable here; about once a second, or when the journal has grown
-//! past [`CHECKPOINT_AT`], the transaction is committed durably (a checkpoint) with the
-//! sequence number of the last frame it holds, and the journal starts again from its
-//! beginning.
+//! past [`CHECKPOINT_AT`], the database is committed durably (a checkpoint) with the sequence
+//! number of the last frame it holds.
+//!
+//! The checkpoint's sync takes tens of milliseconds and the writer does not wait for it: the
+//! frames written meanwhile are past the checkpoint and must outlive it. So the journal is two
+//! files used in turn (`PATH-journal` and `PATH-journal-2`): a checkpoint covers every frame of
+//! the file in use when it starts, and the frames written while it runs go to the other file,
+//! from its start. That file is free: its frames were covered by the checkpoint before, which
+//! had finished (one checkpoint runs at a time). A checkpoint made while nothing else is
+//! written (at open and at close) covers both files, and the next frame goes at the start of
+//! the file in use.
 //!
 //! After a crash, redb returns to its last checkpoint and the frames written since are applied
-//! again ([`Recovered`]): every change the store acknowledged is back.
+//! again ([`Recovered`]): they start one file, and go on at the start of the other if a
+//! checkpoint was running when they were written. Every change the store acknowledged is back.
 //!
 //! # Frame layout
 //!
@@ -27,18 +36,19 @@
 //! | first 8 bytes of the SHA-256 of the id, sequence, length and payload | 8 |
 //!
 //! A change is a put (tag 1, row number, value length as 4 bytes, value) or a removal (tag 2,
-//! row number). Recovery reads frames from the file's start for as long as each one is whole,
-//! carries this database's id and has the sequence number after the previous one (the first,
-//! the one after the database's). A torn last frame, zeros, or frames of an earlier round
+//! row number). Recovery reads frames from the start of the file whose first frame follows the
+//! database's, for as long as each one is whole, carries this database's id and has the
+//! sequence number after the previous one; then from the start of the other file if its first
+//! frame follows the last one read. A torn last frame, zeros, or frames of an earlier round
 //! (their numbers are at or below the database's) end it. A whole frame of this database
-//! numbered past the last one read, found anywhere after that point, means a frame in the
-//! middle was damaged: the open then fails with an error naming the journal and the frame,
-//! rather than dropping the acknowledged changes of every frame after it. The operator may
-//! accept that loss by cutting the journal at the damaged frame, as the error says.
+//! numbered past the last one read, found anywhere after that point in either file, means a
+//! frame in the middle was damaged: the open then fails with an error naming the journal file
+//! and the frame, rather than dropping the acknowledged changes of every frame after it. The
+//! operator may accept that loss by cutting the journal at the damaged frame, as the error
+//! says.
 //!
-//! The file is overwritten in place from its start after each checkpoint and never shrinks, so
-//! once it has reached its working size a sync has only the frames' pages to write, not the
-//! file's size.
+//! Each file is overwritten in place from its start and never shrinks, so once it has reached
+//! its working size a sync has only the frames' pages to write, not the file's size.
 
 use std::io;
 use std::ops::Range;
@@ -59,15 +69,23 @@ pub(super) const CHECKPOINT_AT: u64 = 16 * 1024 * 1024;
 
 /// The journal of one open database.
 pub(super) struct Journal {
-    file: Box<dyn JournalFile>,
-    path: PathBuf,
+    files: [JournalSide; 2],
+    paths: [PathBuf; 2],
+    /// The file frames are written to: the other one holds the frames of the checkpoint
+    /// running, if one is.
+    active: usize,
     id: u64,
     /// The sequence number of the last frame written.
     last: u64,
-    /// Where the next frame goes.
-    end: u64,
     /// The frame being gathered: its head (filled in when written), then its changes.
     frame: Vec<u8>,
+}
+
+/// One of the journal's two files.
+struct JournalSide {
+    file: Box<dyn JournalFile>,
+    /// Where its next frame goes.
+    end: u64,
 }
 
 /// One row change.
@@ -79,15 +97,16 @@ pub(super) enum Change<'a> {
 
 /// The frames a crash left to apply again.
 pub(super) struct Recovered {
-    data: Vec<u8>,
-    payloads: Vec<Range<usize>>,
+    data: [Vec<u8>; 2],
+    /// Each frame's file and where its payload is in it.
+    payloads: Vec<(usize, Range<usize>)>,
 }
 
 impl Recovered {
     /// Each frame's changes, oldest first.
     pub(super) fn frames(&self) -> impl Iterator<Item = Changes<'_>> {
-        self.payloads.iter().map(|range| Changes {
-            rest: &self.data[range.clone()],
+        self.payloads.iter().map(|(file, range)| Changes {
+            rest: &self.data[*file][range.clone()],
         })
     }
 
@@ -142,59 +161,72 @@ impl<'a> Iterator for Changes<'a> {
 }
 
 impl Journal {
-    /// The journal's file for the database at `db`: the same name with `-journal` added.
+    /// The journal's first file for the database at `db`: the same name with `-journal`
+    /// added. The second has `-journal-2`.
     pub(super) fn path_for(db: &Path) -> PathBuf {
-        let mut name = db.as_os_str().to_owned();
-        name.push("-journal");
-        PathBuf::from(name)
+        Self::paths_for(db)[0].clone()
+    }
+
+    /// Both of the journal's files for the database at `db`.
+    pub(super) fn paths_for(db: &Path) -> [PathBuf; 2] {
+        ["-journal", "-journal-2"].map(|suffix| {
+            let mut name = db.as_os_str().to_owned();
+            name.push(suffix);
+            PathBuf::from(name)
+        })
     }
 
     /// Opens (or creates) the journal of the database at `db`, whose id is `id` and which holds
     /// the changes of frames up to `applied`; returns it with the frames written since. The
-    /// journal's next frame goes at its start: the caller checkpoints the recovered frames
-    /// before writing any.
+    /// journal's next frame goes at the start of its first file: the caller checkpoints the
+    /// recovered frames before writing any.
     pub(super) fn open(
         disk: &dyn Disk,
         db: &Path,
         id: u64,
         applied: u64,
     ) -> io::Result<(Self, Recovered)> {
-        let path = Self::path_for(db);
-        let mut file = disk.open_journal(&path)?;
-        let data = file.read_all()?;
+        let paths = Self::paths_for(db);
+        let mut files = [disk.open_journal(&paths[0])?, disk.open_journal(&paths[1])?];
+        let data = [files[0].read_all()?, files[1].read_all()?];
         let mut payloads = Vec::new();
-        let mut at = 0;
+        // Where each file's run of frames ended, for a file that had one.
+        let mut ends = [None; 2];
         let mut last = applied;
-        while let Some((seq, payload, next)) = read_frame(&data, at, id) {
-            if seq != last.wrapping_add(1) {
-                break;
+        let starts_next = |data: &[u8], last: u64| {
+            read_frame(data, 0, id).is_some_and(|(seq, _, _)| seq == last.wrapping_add(1))
+        };
+        while let Some(side) = (0..2).find(|&s| ends[s].is_none() && starts_next(&data[s], last)) {
+            let mut at = 0;
+            while let Some((seq, payload, next)) = read_frame(&data[side], at, id) {
+                if seq != last.wrapping_add(1) {
+                    break;
+                }
+                payloads.push((side, payload));
+                last = seq;
+                at = next;
             }
-            payloads.push(payload);
-            last = seq;
-            at = next;
+            ends[side] = Some(at);
         }
-        if let Some((later, found_at)) = later_frame(&data, at, id, last) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "frame {} at byte {at} of {} is damaged or missing, yet frame {later} at \
-                     byte {found_at} after it is whole: applying the frames before it would \
-                     silently drop acknowledged changes. To start anyway, accepting the loss \
-                     of frame {} and every frame after it, cut the journal there: \
-                     truncate -s {at} '{}'",
+        for side in 0..2 {
+            let at = ends[side].unwrap_or(0);
+            if let Some((later, found_at)) = later_frame(&data[side], at, id, last) {
+                return Err(damaged(
+                    &paths[side],
                     last.wrapping_add(1),
-                    path.display(),
-                    last.wrapping_add(1),
-                    path.display(),
-                ),
-            ));
+                    at,
+                    later,
+                    found_at,
+                ));
+            }
         }
+        let [first, second] = files;
         let journal = Self {
-            file,
-            path,
+            files: [first, second].map(|file| JournalSide { file, end: 0 }),
+            paths,
+            active: 0,
             id,
             last,
-            end: 0,
             frame: Self::empty_frame(),
         };
         Ok((journal, Recovered { data, payloads }))
@@ -206,8 +238,9 @@ impl Journal {
         frame
     }
 
+    /// The journal's first file.
     pub(super) fn path(&self) -> &Path {
-        &self.path
+        &self.paths[0]
     }
 
     /// The sequence number of the last frame written.
@@ -220,14 +253,14 @@ impl Journal {
         self.last.wrapping_add(1)
     }
 
-    /// Whether frames were written since the last checkpoint.
+    /// Whether frames were written since the last checkpoint began.
     pub(super) fn has_frames(&self) -> bool {
-        self.end > 0
+        self.files[self.active].end > 0
     }
 
-    /// The journal's size if the gathered changes were written now.
+    /// The size of the file in use if the gathered changes were written now.
     pub(super) fn size_with_pending(&self) -> u64 {
-        self.end + (self.frame.len() + CHECKSUM_LEN) as u64
+        self.files[self.active].end + (self.frame.len() + CHECKSUM_LEN) as u64
     }
 
     /// Notes that `row` now holds the value `encode` appends to the buffer it is given, and
@@ -268,31 +301,58 @@ impl Journal {
         self.frame[20..24].copy_from_slice(&len.to_le_bytes());
         let checksum = checksum(&self.frame[4..]);
         self.frame.extend_from_slice(&checksum);
-        let written = self
+        let side = &mut self.files[self.active];
+        let written = side
             .file
-            .write_all_at(&self.frame, self.end)
-            .and_then(|()| self.file.sync_data());
-        let size = self.frame.len() as u64;
+            .write_all_at(&self.frame, side.end)
+            .and_then(|()| side.file.sync_data());
+        let end = side.end + self.frame.len() as u64;
         self.discard();
         written?;
-        self.end += size;
+        self.files[self.active].end = end;
         self.last = seq;
         Ok(())
     }
 
-    /// Swaps the file for a read-only handle of it, so the next frame fails to be written.
+    /// Swaps the file in use for a read-only handle of it, so the next frame fails to be
+    /// written.
     #[cfg(test)]
     pub(super) fn fail_writes(&mut self) -> io::Result<()> {
-        self.file = Box::new(std::fs::File::open(&self.path)?);
+        let path = &self.paths[self.active];
+        self.files[self.active].file = Box::new(std::fs::File::open(path)?);
         Ok(())
     }
 
-    /// Starts the journal again from its beginning: every frame so far, and the changes
-    /// gathered since, are in a durable commit.
+    /// A checkpoint of every frame written so far begins, and runs while the next frames are
+    /// written: they go to the other file, from its start. Its frames are covered by the
+    /// checkpoint before this one, which the caller saw finish.
+    pub(super) fn begin_checkpoint(&mut self) {
+        self.active ^= 1;
+        self.files[self.active].end = 0;
+    }
+
+    /// Starts the journal again from the beginning of the file in use: every frame so far, in
+    /// both files, and the changes gathered since, are in a durable commit.
     pub(super) fn checkpointed(&mut self) {
-        self.end = 0;
+        self.files[self.active].end = 0;
         self.discard();
     }
+}
+
+/// The error of a journal file with a damaged frame (`missing`, expected at byte `at`) before
+/// a whole one (`later`, at byte `found_at`).
+fn damaged(path: &Path, missing: u64, at: usize, later: u64, found_at: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!(
+            "frame {missing} at byte {at} of {} is damaged or missing, yet frame {later} at \
+             byte {found_at} after it is whole: applying the frames before it would silently \
+             drop acknowledged changes. To start anyway, accepting the loss of frame {missing} \
+             and every frame after it, cut the journal there: truncate -s {at} '{}'",
+            path.display(),
+            path.display(),
+        ),
+    )
 }
 
 /// A whole frame of database `id` at or after `from` whose sequence number is past `last`,
@@ -355,7 +415,9 @@ mod tests {
 
     impl Drop for Db {
         fn drop(&mut self) {
-            let _ = std::fs::remove_file(Journal::path_for(&self.0));
+            for path in Journal::paths_for(&self.0) {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 
@@ -445,6 +507,60 @@ mod tests {
         assert!(Journal::open(&RealDisk, db, 1, 3).unwrap().1.is_empty());
     }
 
+    /// Frames written while a checkpoint ran go to the other file; both files' frames past
+    /// the database's are recovered in order, whichever file they start in, and a file whose
+    /// frames a finished checkpoint covers is written over from its start.
+    #[test]
+    fn frames_written_during_a_checkpoint_are_recovered_from_the_other_file() {
+        let db = Db::new("journal-two-files");
+        let db = &db.0;
+        let put = |journal: &mut Journal, row: u64| {
+            journal.put(row, |out| out.extend_from_slice(b"v"));
+            journal.append().unwrap();
+        };
+        let (mut journal, _) = Journal::open(&RealDisk, db, 3, 0).unwrap();
+        put(&mut journal, 1);
+        put(&mut journal, 2);
+        journal.begin_checkpoint(); // covers frames 1 and 2
+        put(&mut journal, 3);
+        let rows = |applied| {
+            let (journal, recovered) = Journal::open(&RealDisk, db, 3, applied).unwrap();
+            let rows: Vec<u64> = changes(&recovered).iter().map(|frame| frame[0].0).collect();
+            (rows, journal.last())
+        };
+        // A crash before that checkpoint's sync: every frame; after it: the third alone.
+        assert_eq!(rows(0), (vec![1, 2, 3], 3));
+        assert_eq!(rows(2), (vec![3], 3));
+        assert_eq!(rows(3), (vec![], 3));
+
+        // The next checkpoint (covering frame 3) writes over the first file's old frames.
+        journal.begin_checkpoint();
+        put(&mut journal, 4);
+        assert_eq!(rows(2), (vec![3, 4], 4));
+        assert_eq!(rows(3), (vec![4], 4));
+        drop(journal);
+
+        // A damaged frame at the start of the second file, with a whole frame after it.
+        let second = Journal::paths_for(db)[1].clone();
+        std::fs::remove_file(&second).unwrap();
+        let (mut journal, _) = Journal::open(&RealDisk, db, 9, 0).unwrap();
+        put(&mut journal, 1);
+        journal.begin_checkpoint();
+        put(&mut journal, 2);
+        put(&mut journal, 3);
+        drop(journal);
+        let mut bytes = std::fs::read(&second).unwrap();
+        bytes[HEAD_LEN + 2] ^= 1;
+        std::fs::write(&second, &bytes).unwrap();
+        let error = Journal::open(&RealDisk, db, 9, 0)
+            .err()
+            .expect("the open fails");
+        let message = error.to_string();
+        assert!(message.contains("frame 2 at byte 0"), "{message}");
+        assert!(message.contains(&second.display().to_string()), "{message}");
+        let _ = std::fs::remove_file(&second);
+    }
+
     /// One damaged frame followed by whole frames of the same round: the open fails, naming
     /// the journal and the damaged frame, instead of applying the frames before it alone.
     /// Cutting the journal where the error says accepts the loss.
@@ -455,7 +571,7 @@ mod tests {
         let (mut journal, _) = Journal::open(&RealDisk, db, 5, 0).unwrap();
         let mut starts = Vec::new();
         for row in 0..3 {
-            starts.push(journal.end);
+            starts.push(journal.files[journal.active].end);
             journal.put(row, |out| out.extend_from_slice(b"value"));
             journal.append().unwrap();
         }

@@ -34,9 +34,16 @@ pub(super) const MARK_ROWS: &str = "rows";
 /// A digest of the file's last row (its number and bytes) at the last checkpoint; 0 if none.
 pub(super) const MARK_LAST_ROW: &str = "last_row";
 /// The file's format: 1 kept records by key, 2 rows by write with the expiry index on disk,
-/// 3 rows by write beside the journal, with the marks of the last checkpoint. From 3 on, a
-/// binary refuses a file in a newer format than its own.
-pub(super) const FORMAT: u64 = 3;
+/// 3 rows by write beside the journal, with the marks of the last checkpoint, 4 as 3 with
+/// the journal's frames past the last checkpoint possibly going on in its second file. From
+/// 3 on, a binary refuses a file in a newer format than its own.
+///
+/// The open writes 4 before any frame can reach the second file, so a binary that reads only
+/// the first refuses the file after a crash; a clean close, which leaves no frame past its
+/// checkpoint, writes [`FORMAT_SETTLED`], so a downgrade after a clean stop still opens it.
+pub(super) const FORMAT: u64 = 4;
+/// The format of a file whose checkpoint covers every frame in its journal.
+pub(super) const FORMAT_SETTLED: u64 = 3;
 
 /// Opens (or creates) the file and its journal, and their folder, each new entry made durable
 /// in its directory; repairs the file if it was not closed cleanly; creates the table, so
@@ -83,7 +90,8 @@ pub(super) fn open_file(
 /// open first drops both files' cached pages: the file is read as the disk holds it, and the
 /// journal, kept whole until a checkpoint's sync succeeds, brings back whatever it lacks.
 pub(super) fn open_database(disk: &dyn Disk, path: &Path) -> Result<Database, StoreError> {
-    for file in [path, &Journal::path_for(path)] {
+    let [journal, journal_2] = Journal::paths_for(path);
+    for file in [path, &journal, &journal_2] {
         disk.forget_cached(file).map_err(|source| {
             unavailable(RedbError::Forget {
                 path: file.to_path_buf(),
@@ -120,7 +128,7 @@ pub(super) fn attach(
         next_row,
         migrated,
     } = prepare(disk, &db, path, leases_from)?;
-    record_checkpoint(&txn, journal.last(), next_row).map_err(&open_error)?;
+    record_checkpoint(&txn, journal.last(), next_row, FORMAT).map_err(&open_error)?;
     txn.commit().map_err(|e| open_error(e.into()))?;
     // Logged once committed.
     match migrated {
@@ -363,16 +371,17 @@ pub(super) fn next_row_of(
 }
 
 /// Records in `txn` a checkpoint: the database holds the changes of journal frames up to
-/// `seq`, and rows are numbered from `next_row` on. The file's mark is taken from `txn`'s
-/// table, so it is the state this commit leaves.
+/// `seq`, rows are numbered from `next_row` on, and the file is in `format`. The file's mark
+/// is taken from `txn`'s table, so it is the state this commit leaves.
 pub(super) fn record_checkpoint(
     txn: &redb::WriteTransaction,
     seq: u64,
     next_row: u64,
+    format: u64,
 ) -> Result<(), redb::Error> {
     let mark = Mark::of(&txn.open_table(RECORDS)?, next_row)?;
     let mut state = txn.open_table(JOURNAL_STATE)?;
-    state.insert(FORMAT_KEY, FORMAT)?;
+    state.insert(FORMAT_KEY, format)?;
     state.insert(JOURNAL_APPLIED, seq)?;
     state.insert(MARK_NEXT_ROW, mark.next_row)?;
     state.insert(MARK_ROWS, mark.rows)?;

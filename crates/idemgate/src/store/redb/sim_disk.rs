@@ -4,6 +4,8 @@
 //!
 //! - A write lands in the cache and marks its pages dirty; a sync writes the dirty pages to
 //!   the disk (and only those).
+//! - Syncs of a file can be held ([`SimDisk::hold_syncs`]) until the test releases them: a
+//!   slow disk, to act while a sync is under way.
 //! - A sync armed to fail ([`SimDisk::fail_next_sync`]) writes nothing to the disk and marks
 //!   the dirty pages clean, as Linux does: the cache keeps data the disk never got, and a later
 //!   read returns it unless the cache is dropped ([`Disk::forget_cached`] drops clean pages).
@@ -19,7 +21,8 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use redb::{Database, DatabaseError, StorageBackend};
 
@@ -40,6 +43,8 @@ struct State {
     dirs: HashMap<PathBuf, bool>,
     /// Files whose next sync fails.
     failing: HashSet<PathBuf>,
+    /// Files whose syncs wait until their hold is released.
+    held: HashMap<PathBuf, SyncHold>,
     /// Power cuts so far: a file opened before the last one is dead.
     generation: u64,
 }
@@ -77,7 +82,66 @@ impl SimFile {
     }
 }
 
+/// Holds the syncs of one file until released (or, so a test of a store that waits for the
+/// sync does not hang, for [`SyncHold::LIMIT`]).
+#[derive(Debug, Clone, Default)]
+pub(super) struct SyncHold {
+    inner: Arc<(Mutex<Held>, Condvar)>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    released: bool,
+    /// Syncs waiting now.
+    waiting: usize,
+}
+
+impl SyncHold {
+    /// Longest a sync is held.
+    const LIMIT: Duration = Duration::from_secs(5);
+
+    /// Lets the held syncs, and every later one, go on.
+    pub(super) fn release(&self) {
+        let (held, changed) = &*self.inner;
+        held.lock().expect("the hold's lock").released = true;
+        changed.notify_all();
+    }
+
+    /// Whether a sync is waiting now.
+    pub(super) fn holding(&self) -> bool {
+        self.inner.0.lock().expect("the hold's lock").waiting > 0
+    }
+
+    /// Waits (up to the hold's limit) until a sync is held; whether one is.
+    pub(super) fn wait_held(&self) -> bool {
+        let (held, changed) = &*self.inner;
+        let held = held.lock().expect("the hold's lock");
+        let (held, _) = changed
+            .wait_timeout_while(held, Self::LIMIT, |held| held.waiting == 0)
+            .expect("the hold's lock");
+        held.waiting > 0
+    }
+
+    fn hold(&self) {
+        let (held, changed) = &*self.inner;
+        let mut guard = held.lock().expect("the hold's lock");
+        guard.waiting += 1;
+        changed.notify_all();
+        let (mut guard, _) = changed
+            .wait_timeout_while(guard, Self::LIMIT, |held| !held.released)
+            .expect("the hold's lock");
+        guard.waiting -= 1;
+    }
+}
+
 impl SimDisk {
+    /// Holds every sync of the file at `path` until the returned hold is released.
+    pub(super) fn hold_syncs(&self, path: &Path) -> SyncHold {
+        let hold = SyncHold::default();
+        self.state().held.insert(path.to_path_buf(), hold.clone());
+        hold
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().expect("the simulated disk's lock")
     }
@@ -137,6 +201,10 @@ impl SimDisk {
     }
 
     fn sync(&self, generation: u64, path: &Path) -> io::Result<()> {
+        let hold = self.state().held.get(path).cloned();
+        if let Some(hold) = hold {
+            hold.hold();
+        }
         let mut state = self.state();
         if generation != state.generation {
             return Err(io::Error::other("the power was cut"));

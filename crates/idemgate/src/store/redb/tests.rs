@@ -14,13 +14,13 @@ use super::codec::RECORDS;
 use super::codec::{
     Header, IN_FLIGHT_LEN_V1, StateHeader, VERSION, encode_row, parse_row, row_expiry,
 };
-use super::disk::RealDisk;
+use super::disk::{Disk, JournalFile, RealDisk};
 use super::index::RowIndex;
 use super::journal::Journal;
 use super::migrate::{EXPIRIES_V1, EXPIRIES_V2, RECORDS_V1};
 use super::open::{
     FORMAT, FORMAT_KEY, JOURNAL_APPLIED, JOURNAL_STATE, MARK_LAST_ROW, MARK_NEXT_ROW, MARK_ROWS,
-    attach, next_row_of, open_file, record_checkpoint,
+    next_row_of, open_file, record_checkpoint,
 };
 use super::ops::{Op, Reply};
 use super::writer::{CHECKPOINT_EVERY, Writer};
@@ -120,7 +120,9 @@ fn open_fresh(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> 
 /// Removes a test's database file and its journal.
 fn remove_files(path: &Path) {
     let _ = std::fs::remove_file(path);
-    let _ = std::fs::remove_file(Journal::path_for(path));
+    for journal in Journal::paths_for(path) {
+        let _ = std::fs::remove_file(journal);
+    }
 }
 
 /// A fresh file path in the tests' directory, which is made if missing (some tests open
@@ -135,23 +137,25 @@ pub(super) fn temp_path(label: &str) -> std::path::PathBuf {
     ))
 }
 
-/// A file whose `sync_data` fails while `fail` is set: every write before it lands in the
-/// page cache, so the commit it fails may be in the file all the same.
+/// The real disk, except that the journal's syncs fail while `fail` is set: the frame is
+/// written all the same, so the batch whose sync failed may be in the journal.
 #[derive(Debug)]
-struct FailingSync {
-    file: redb::backends::FileBackend,
+struct FailingJournalSync {
     fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl redb::StorageBackend for FailingSync {
-    fn len(&self) -> std::io::Result<u64> {
-        self.file.len()
+/// A journal file of [`FailingJournalSync`].
+struct FailingJournalFile {
+    file: Box<dyn JournalFile>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl JournalFile for FailingJournalFile {
+    fn read_all(&mut self) -> std::io::Result<Vec<u8>> {
+        self.file.read_all()
     }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        self.file.read(offset, out)
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.file.set_len(len)
+    fn write_all_at(&self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.file.write_all_at(data, offset)
     }
     fn sync_data(&self) -> std::io::Result<()> {
         if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
@@ -159,19 +163,45 @@ impl redb::StorageBackend for FailingSync {
         }
         self.file.sync_data()
     }
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.file.write(offset, data)
+}
+
+impl Disk for FailingJournalSync {
+    fn create_database(
+        &self,
+        builder: &redb::Builder,
+        path: &Path,
+    ) -> Result<Database, redb::DatabaseError> {
+        RealDisk.create_database(builder, path)
+    }
+    fn open_journal(&self, path: &Path) -> std::io::Result<Box<dyn JournalFile>> {
+        Ok(Box::new(FailingJournalFile {
+            file: RealDisk.open_journal(path)?,
+            fail: Arc::clone(&self.fail),
+        }))
+    }
+    fn create_dir_all(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+        RealDisk.create_dir_all(dir)
+    }
+    fn sync_dir(&self, dir: &Path) -> std::io::Result<()> {
+        RealDisk.sync_dir(dir)
+    }
+    fn forget_cached(&self, path: &Path) -> std::io::Result<()> {
+        RealDisk.forget_cached(path)
     }
 }
 
 /// A writer over an opened file, as [`RedbStore::open`] starts it, except that it reopens
 /// a failed file at its next batch and does not sweep.
-fn test_writer(path: &Path, (db, journal, rows): (Database, Journal, RowIndex)) -> Writer {
+pub(super) fn test_writer(
+    path: &Path,
+    (db, journal, rows): (Database, Journal, RowIndex),
+) -> Writer {
     Writer {
         commits: Arc::default(),
         answers: Arc::new(AnswerQueue::new()),
         txn: None,
-        db: Some(db),
+        running: None,
+        db: Some(Arc::new(db)),
         journal: Some(journal),
         checkpointed_at: Instant::now(),
         clock: Clock::start(),
@@ -187,7 +217,7 @@ fn test_writer(path: &Path, (db, journal, rows): (Database, Journal, RowIndex)) 
 }
 
 /// A claim of `key` by `token` with a long lease and ttl, given its reply sender.
-fn claim_op(key: RecordKey, token: OwnerToken) -> impl FnOnce(Reply<Claim>) -> Op {
+pub(super) fn claim_op(key: RecordKey, token: OwnerToken) -> impl FnOnce(Reply<Claim>) -> Op {
     move |reply| Op::Claim {
         key,
         fingerprint: FingerprintHash::of(b"fp"),
@@ -202,34 +232,28 @@ fn claim_op(key: RecordKey, token: OwnerToken) -> impl FnOnce(Reply<Claim>) -> O
 }
 
 /// Runs `op` (given its reply sender) as a batch of its own and returns its answer.
-fn run_one<T>(writer: &mut Writer, op: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+pub(super) fn run_one<T>(
+    writer: &mut Writer,
+    op: impl FnOnce(Reply<T>) -> Op,
+) -> Result<T, StoreError> {
     let (reply, mut answer) = oneshot::channel();
     writer.run_batch(&mut vec![op(reply)]);
     answer.try_recv().expect("answered when its batch ran")
 }
 
-/// A claim whose commit failed in its last sync was answered as failed, so its caller
-/// runs nothing; if it landed all the same, the writer releases it after reopening the
-/// file, and the client's retry can claim the key instead of meeting a record nobody runs.
+/// A claim whose frame's sync failed was answered as failed, so its caller runs nothing;
+/// if the frame landed all the same, the writer releases the claim after reopening the file
+/// (which applies the frame), and the client's retry can claim the key instead of meeting a
+/// record nobody runs.
 #[test]
 fn a_claim_whose_commit_failed_is_released_after_the_reopen() {
     let path = temp_path("unsettled");
-    drop(open_fresh(&path).unwrap());
     let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap();
-    let db = Database::builder()
-        .create_with_backend(FailingSync {
-            file: redb::backends::FileBackend::new(file).unwrap(),
-            fail: Arc::clone(&fail),
-        })
-        .unwrap();
-    let mut writer = test_writer(&path, attach(&RealDisk, db, &path, Some(now_ms())).unwrap());
-    // A checkpoint is due: the batch is committed, and so synced, by redb itself.
-    writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let disk = Arc::new(FailingJournalSync {
+        fail: Arc::clone(&fail),
+    });
+    let mut writer = test_writer(&path, open_file(&*disk, &path, Some(now_ms())).unwrap());
+    writer.disk = disk;
     let key = RecordKey::of(b"k");
     let claim = |token| claim_op(key, token);
 
@@ -240,6 +264,7 @@ fn a_claim_whose_commit_failed_is_released_after_the_reopen() {
         "{first:?}"
     );
     assert!(writer.poisoned.is_some());
+    assert_eq!(writer.unsettled.len(), 1);
     fail.store(false, std::sync::atomic::Ordering::SeqCst);
 
     let retry = OwnerToken::generate();
@@ -554,7 +579,7 @@ fn a_record_in_flight_at_open_lapses_a_whole_lease_later() {
 }
 
 /// A writer over the store's file at `path` on the simulated disk, opened as at start-up.
-fn writer_on(disk: &super::sim_disk::SimDisk, path: &Path) -> Writer {
+pub(super) fn writer_on(disk: &super::sim_disk::SimDisk, path: &Path) -> Writer {
     let opened = open_file(disk, path, Some(now_ms())).expect("the file opens");
     let mut writer = test_writer(path, opened);
     writer.disk = Arc::new(disk.clone());
@@ -562,7 +587,7 @@ fn writer_on(disk: &super::sim_disk::SimDisk, path: &Path) -> Writer {
 }
 
 /// Asserts that each of `keys` is held in flight.
-fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
+pub(super) fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
     for &key in keys {
         let found = run_one(writer, |reply| Op::Get { key, reply });
         assert!(
@@ -574,45 +599,54 @@ fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
 
 /// A checkpoint whose sync fails leaves pages in the cache that the disk never got,
 /// marked clean. The store reopens the file with the cache dropped and applies the journal,
-/// which kept every frame since the last good checkpoint; what it acknowledged before and
-/// after the failure survives a power cut, and the file opens.
+/// which kept every frame since the last good checkpoint, in both its files; what it
+/// acknowledged before, during and after the failed checkpoint survives a power cut, and the
+/// file opens.
 #[test]
 fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     let disk = super::sim_disk::SimDisk::default();
     let path = PathBuf::from("/sim/data/records.redb");
     let mut writer = writer_on(&disk, &path);
     let mut acknowledged = Vec::new();
-    for name in ["a", "b", "c"] {
+    let mut claim = |writer: &mut Writer, name: &str| {
         let key = RecordKey::of(name.as_bytes());
-        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
-        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+        let claimed = run_one(writer, claim_op(key, OwnerToken::generate()));
+        assert!(
+            matches!(claimed, Ok(Claim::Acquired(_))),
+            "{name}: {claimed:?}"
+        );
         acknowledged.push(key);
+    };
+    for name in ["a", "b", "c"] {
+        claim(&mut writer, name);
     }
 
-    // The next batch is a checkpoint, and the database's sync fails.
+    // The next batch begins a checkpoint, whose sync is slow and then fails; the batches
+    // that come meanwhile are journalled and acknowledged.
     writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let hold = disk.hold_syncs(&path);
     disk.fail_next_sync(&path);
-    // The claims' batches set the wait before a reopen back to a second.
-    writer.reopen_wait = Duration::ZERO;
-    let failed = run_one(
-        &mut writer,
-        claim_op(RecordKey::of(b"x"), OwnerToken::generate()),
-    );
+    claim(&mut writer, "x");
+    assert!(hold.wait_held(), "the checkpoint's sync is under way");
+    claim(&mut writer, "y");
+    hold.release();
+    writer.settle_checkpoint(true);
     assert!(
-        matches!(failed, Err(StoreError::Unavailable { .. })),
-        "{failed:?}"
+        writer.poisoned.is_some(),
+        "the failed checkpoint poisons the file"
     );
-    assert!(writer.poisoned.is_some());
 
     // The writer reopens the file and takes changes again: more acknowledged claims, on
     // both sides of the checkpoint its reopen makes.
-    for name in ["d", "e"] {
-        let key = RecordKey::of(name.as_bytes());
-        let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
-        assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
-        assert!(writer.poisoned.is_none(), "reopened");
-        acknowledged.push(key);
+    writer.reopen_wait = Duration::ZERO;
+    if let Some(poisoned) = &mut writer.poisoned {
+        poisoned.retry_at = Instant::now();
     }
+    for name in ["d", "e"] {
+        claim(&mut writer, name);
+        assert!(writer.poisoned.is_none(), "reopened");
+    }
+    let acknowledged = acknowledged.clone();
     assert_in_flight(&mut writer, &acknowledged);
 
     disk.power_cut();
@@ -653,7 +687,7 @@ fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
     disk.fail_next_sync(&path);
     let mut txn = writer.txn.take().expect("the batches' open transaction");
     let last = writer.journal.as_ref().unwrap().last();
-    record_checkpoint(&txn, last, writer.rows.next).unwrap();
+    record_checkpoint(&txn, last, writer.rows.next, super::open::FORMAT).unwrap();
     txn.set_durability(redb::Durability::Immediate).unwrap();
     assert!(txn.commit().is_err(), "the sync failed");
     drop(writer);
@@ -674,6 +708,8 @@ fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
         !writer.journal.as_ref().unwrap().has_frames(),
         "checkpointed"
     );
+    writer.settle_checkpoint(true);
+    assert!(writer.poisoned.is_none(), "the checkpoint's sync succeeded");
 
     disk.power_cut();
     drop(writer);
@@ -903,7 +939,7 @@ async fn changes_that_change_nothing_do_not_commit() {
 }
 
 /// A response to store: `201 {"charge":1}`.
-fn charge() -> Completion {
+pub(super) fn charge() -> Completion {
     Completion::Response(crate::record::StoredResponse {
         status: http::StatusCode::CREATED,
         headers: http::HeaderMap::new(),

@@ -1,6 +1,6 @@
-//! The writer thread: batches of calls applied in one write transaction, made durable by a
-//! journal frame or a checkpoint (group commit), and the refusal and reopening of a file
-//! whose write failed.
+//! The writer thread: batches of calls applied in one write transaction (or, while a
+//! checkpoint syncs, above it: see [`checkpoint`](super::checkpoint)), made durable by a
+//! journal frame (group commit), and the refusal and reopening of a file whose write failed.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,14 +10,16 @@ use redb::{Database, Durability};
 use tokio::sync::{mpsc, oneshot};
 
 use super::apply::Tables;
+use super::checkpoint::RunningCheckpoint;
 use super::claim::ReadView;
 use super::clock::Clock;
 use super::codec::RECORDS;
 use super::disk::Disk;
 use super::index::RowIndex;
-use super::journal::Journal;
-use super::open::{open_file, read_view, record_checkpoint};
+use super::journal::{CHECKPOINT_AT, Journal};
+use super::open::{FORMAT_SETTLED, open_file, read_view, record_checkpoint};
 use super::ops::{Done, Failure, Op};
+use super::overlay::Records;
 use crate::record::{OwnerToken, RecordKey};
 use crate::store::answer_queue::AnswerQueue;
 
@@ -54,15 +56,20 @@ pub(super) struct Writer {
     /// is applied to it and made durable by its journal frame; only a checkpoint commits it,
     /// so a page the batches of a second change again and again is copied and written once.
     /// Every failure once it holds changes poisons the file: the reopen applies the journal.
-    /// Declared before `db`, so it is dropped (aborted) before the file is closed.
+    /// `None` while a checkpoint runs. Declared before `db`, so it is dropped (aborted)
+    /// before the file is closed.
     pub(super) txn: Option<redb::WriteTransaction>,
-    /// The open file; `None` only while [`Writer::poisoned`] is set and neither reopening it
-    /// nor opening a read view of it succeeded.
-    pub(super) db: Option<Database>,
+    /// The checkpoint whose sync is running, with the rows changed since it began; ended
+    /// (waited for) before the file is closed.
+    pub(super) running: Option<RunningCheckpoint>,
+    /// The open file, shared with the running checkpoint's thread; `None` only while
+    /// [`Writer::poisoned`] is set and neither reopening it nor opening a read view of it
+    /// succeeded.
+    pub(super) db: Option<Arc<Database>>,
     /// The open file's journal; `None` while [`Writer::poisoned`] is set (a read view has
     /// none).
     pub(super) journal: Option<Journal>,
-    /// When the database was last committed durably.
+    /// When the last checkpoint began.
     pub(super) checkpointed_at: Instant,
     /// What every deadline is judged on.
     pub(super) clock: Clock,
@@ -103,6 +110,14 @@ pub(super) struct Poisoned {
     pub(super) retry_at: Instant,
 }
 
+impl Drop for Writer {
+    /// A running checkpoint's thread holds the file: it is waited for, so the file is closed
+    /// (and can be opened again) once the writer is gone.
+    fn drop(&mut self) {
+        self.abandon_checkpoint();
+    }
+}
+
 impl Writer {
     pub(super) fn run(mut self, mut queue: mpsc::Receiver<Op>) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
@@ -140,6 +155,7 @@ impl Writer {
     /// Commits the database durably at close (a batch of no changes, checkpointing whatever
     /// the journal holds), so the next open has no journal to apply.
     pub(super) fn checkpoint_on_close(&mut self) {
+        self.settle_checkpoint(true);
         if self.poisoned.is_some() {
             return;
         }
@@ -158,6 +174,7 @@ impl Writer {
     /// Applies `batch` in one write transaction and answers each change once the batch is
     /// durable (or failed).
     pub(super) fn run_batch(&mut self, batch: &mut Vec<Op>) {
+        self.settle_checkpoint(false);
         if !self.reopen_if_poisoned() {
             if let Some(poisoned) = &self.poisoned {
                 let failure = Failure {
@@ -244,6 +261,7 @@ impl Writer {
     /// Drops the handles of a file that failed; the file's lock goes with them, so it can be
     /// opened again (which reads what the disk holds: see `open_database`).
     pub(super) fn close(&mut self) {
+        self.abandon_checkpoint();
         self.txn = None;
         self.db = None;
         self.journal = None;
@@ -257,7 +275,7 @@ impl Writer {
         self.close();
         match read_view(&*self.disk, &self.path) {
             Ok((db, txn, rows)) => {
-                self.db = Some(db);
+                self.db = Some(Arc::new(db));
                 self.txn = Some(txn);
                 self.rows = rows;
                 tracing::warn!(
@@ -284,6 +302,7 @@ impl Writer {
             batch.drain(..).for_each(|op| op.fail(failure));
             return;
         };
+        let records = Records::Open(records);
         let view = ReadView {
             records: &records,
             rows: &self.rows,
@@ -324,7 +343,7 @@ impl Writer {
         // The records in flight are this process's own, with deadlines on its clock.
         match open_file(&*self.disk, &self.path, None) {
             Ok((db, journal, rows)) => {
-                self.db = Some(db);
+                self.db = Some(Arc::new(db));
                 self.journal = Some(journal);
                 self.checkpointed_at = now;
                 self.rows = rows;
@@ -353,11 +372,12 @@ impl Writer {
         }
     }
 
-    /// Applies one batch to the open write transaction and makes it durable: by its journal
-    /// frame, or by committing the transaction when a checkpoint is due. `Ok(true)` if the
-    /// batch changed anything (or checkpointed). The error's flag says whether the file is
-    /// poisoned: every failure once the transaction holds changes is, since those changes can
-    /// come back only from the journal, at the reopen.
+    /// Applies one batch to the open write transaction (or above a running checkpoint) and
+    /// makes it durable by its journal frame, then begins a checkpoint if one is due; with
+    /// [`Checkpoint::Now`], commits it durably instead. `Ok(true)` if the batch changed
+    /// anything (or checkpointed). The error's flag says whether the file is poisoned: every
+    /// failure once the transaction holds changes is, since those changes can come back only
+    /// from the journal, at the reopen.
     pub(super) fn transact(
         &mut self,
         ops: &mut impl Iterator<Item = Op>,
@@ -369,62 +389,92 @@ impl Writer {
         let (Some(db), Some(journal)) = (&self.db, &mut self.journal) else {
             return Err((Arc::new(redb::Error::PreviousIo), true));
         };
-        let mut txn = match self.txn.take() {
-            Some(txn) => txn,
+        if self.running.is_none() && self.txn.is_none() {
             // Nothing is held yet, so nothing is lost if no transaction can be had.
-            None => db.begin_write().map_err(|e| (Arc::new(e.into()), false))?,
-        };
-        let (dirty, swept_all) = {
-            let mut tables = Tables {
-                records: txn.open_table(RECORDS).map_err(|e| lost(e.into()))?,
-                rows: &mut self.rows,
-                journal,
-                dirty: false,
-            };
-            let mut swept_all = true;
-            for op in ops.by_ref() {
-                if let Op::Claim { key, token, .. } = &op {
-                    self.batch_claims.push((*key, *token));
-                }
-                let (done, error) = tables.apply(op, now, &mut swept_all);
-                dones.push(done);
-                if let Some(e) = error {
-                    return Err(lost(e));
-                }
+            let txn = db.begin_write().map_err(|e| (Arc::new(e.into()), false))?;
+            self.txn = Some(txn);
+        }
+        let records = match (&mut self.running, &self.txn) {
+            (Some(running), _) => Records::Overlaid {
+                base: &running.base,
+                overlay: &mut running.overlay,
+            },
+            (None, Some(txn)) => {
+                Records::Open(txn.open_table(RECORDS).map_err(|e| lost(e.into()))?)
             }
-            if tables.dirty {
-                let removed = tables.sweep(now, PIGGYBACK_SWEEP).map_err(lost)?;
-                swept_all &= removed < PIGGYBACK_SWEEP;
-            }
-            (tables.dirty, swept_all)
+            (None, None) => return Err(lost(redb::Error::PreviousIo)),
         };
+        let mut tables = Tables {
+            records,
+            rows: &mut self.rows,
+            journal,
+            dirty: false,
+        };
+        let mut swept_all = true;
+        for op in ops.by_ref() {
+            if let Op::Claim { key, token, .. } = &op {
+                self.batch_claims.push((*key, *token));
+            }
+            let (done, error) = tables.apply(op, now, &mut swept_all);
+            dones.push(done);
+            if let Some(e) = error {
+                return Err(lost(e));
+            }
+        }
+        if tables.dirty {
+            let removed = tables.sweep(now, PIGGYBACK_SWEEP).map_err(lost)?;
+            swept_all &= removed < PIGGYBACK_SWEEP;
+        }
+        let dirty = tables.dirty;
+        drop(tables);
         self.more_expired = !swept_all;
-        let checkpoint_due = matches!(checkpoint, Checkpoint::Now)
-            || self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY;
+        self.make_durable(dirty, dones.len(), checkpoint)
+            .map_err(lost)
+    }
+
+    /// Makes the batch just applied durable, and checkpoints when one is due.
+    fn make_durable(
+        &mut self,
+        dirty: bool,
+        changes: usize,
+        checkpoint: Checkpoint,
+    ) -> Result<bool, redb::Error> {
+        let Some(journal) = &mut self.journal else {
+            return Err(redb::Error::PreviousIo);
+        };
+        // One checkpoint runs at a time; its frames' file is the journal's only free one.
+        let can_start = self.running.is_none();
+        let close = matches!(checkpoint, Checkpoint::Now);
+        let checkpoint_due =
+            can_start && (close || self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY);
         // The transaction holds changes exactly when the journal has frames. A batch that
         // changed nothing commits only to checkpoint frames a second old: the idle writer's
         // sweep ticks do that, so no change lives in the journal alone for long.
         let idle_checkpoint = checkpoint_due && journal.has_frames();
         if !dirty && !idle_checkpoint {
-            self.txn = Some(txn);
             return Ok(false);
         }
         #[cfg(test)]
         self.commits
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if checkpoint_due || journal.size_with_pending() > super::journal::CHECKPOINT_AT {
-            tracing::trace!(changes = dones.len(), "redb group commit, checkpoint");
+        if close {
+            tracing::trace!(changes, "redb checkpoint at close");
+            let mut txn = self.txn.take().ok_or(redb::Error::PreviousIo)?;
             // The commit holds every frame written so far, and this batch, which has none.
-            record_checkpoint(&txn, journal.last(), self.rows.next).map_err(lost)?;
-            txn.set_durability(Durability::Immediate)
-                .map_err(|e| lost(e.into()))?;
-            txn.commit().map_err(|e| lost(e.into()))?;
+            record_checkpoint(&txn, journal.last(), self.rows.next, FORMAT_SETTLED)?;
+            txn.set_durability(Durability::Immediate)?;
+            txn.commit()?;
             journal.checkpointed();
             self.checkpointed_at = Instant::now();
-        } else {
-            tracing::trace!(changes = dones.len(), "redb group commit, journalled");
-            journal.append().map_err(|e| lost(redb::Error::Io(e)))?;
-            self.txn = Some(txn);
+            return Ok(true);
+        }
+        if dirty {
+            tracing::trace!(changes, "redb group commit, journalled");
+            journal.append().map_err(redb::Error::Io)?;
+        }
+        if checkpoint_due || (can_start && journal.size_with_pending() > CHECKPOINT_AT) {
+            tracing::trace!("redb checkpoint begins");
+            self.start_checkpoint()?;
         }
         Ok(true)
     }

@@ -1,0 +1,182 @@
+//! Checkpoints off the request path: the database's durable commit runs on a thread of its own
+//! while the writer keeps taking batches.
+//!
+//! A durable commit writes and syncs every page the second's batches changed, 55 to 96 ms on
+//! the benchmark's disk; a writer that waited for it held every call queued behind it that
+//! long. So a checkpoint is two commits. The writer commits its open transaction without a
+//! sync (redb keeps its pages in memory, readable at once), with the checkpoint's marks, and
+//! hands the sync to a thread: a durable commit of an empty transaction makes that state
+//! durable. Meanwhile the writer reads the table as the checkpoint leaves it, keeps the rows
+//! its batches change in an [`Overlay`] above it, and journals each batch as ever (to the
+//! journal's other file, see [`journal`](super::journal)), so an answer is durable and exactly
+//! what it would have been. Once the sync returns, the overlay is written to the next write
+//! transaction and dropped; if it failed, the file is refused and reopened like any failed
+//! write, and the reopen applies both journal files.
+//!
+//! If a checkpoint takes so long that the overlay passes [`OVERLAY_MAX`], the writer waits for
+//! it before taking the next batch: callers then wait for room in the queue, and memory stays
+//! bounded.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use redb::{Database, Durability, ReadableDatabase};
+
+use super::codec::RECORDS;
+use super::open::{FORMAT, record_checkpoint};
+use super::overlay::{Overlay, RecordsView};
+use super::writer::Writer;
+
+/// Most memory the rows changed during one checkpoint may hold before the writer waits for it.
+pub(super) const OVERLAY_MAX: usize = 16 * 1024 * 1024;
+
+/// A checkpoint whose durable commit has not been seen to finish.
+pub(super) struct RunningCheckpoint {
+    commit: DurableCommit,
+    /// The records as the checkpoint commits them: what batches read under the overlay.
+    pub(super) base: RecordsView,
+    /// The rows changed since the checkpoint began.
+    pub(super) overlay: Overlay,
+}
+
+/// The checkpoint's durable commit: on its thread, or done already where no thread could be
+/// started.
+enum DurableCommit {
+    Running(JoinHandle<Result<(), redb::Error>>),
+    Done(Result<(), redb::Error>),
+}
+
+impl DurableCommit {
+    fn start(db: &Arc<Database>) -> Self {
+        let thread = std::thread::Builder::new()
+            .name("idemgate-redb-checkpoint".into())
+            .spawn({
+                let db = Arc::clone(db);
+                move || commit_durably(&db)
+            });
+        match thread {
+            Ok(thread) => DurableCommit::Running(thread),
+            // Without a thread the writer waits for the sync, as every checkpoint once did.
+            Err(_) => DurableCommit::Done(commit_durably(db)),
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        match self {
+            DurableCommit::Running(thread) => thread.is_finished(),
+            DurableCommit::Done(_) => true,
+        }
+    }
+
+    fn join(self) -> Result<(), redb::Error> {
+        match self {
+            DurableCommit::Running(thread) => thread.join().unwrap_or_else(|_| {
+                Err(redb::Error::Io(std::io::Error::other(
+                    "the checkpoint thread panicked",
+                )))
+            }),
+            DurableCommit::Done(result) => result,
+        }
+    }
+}
+
+/// Makes every commit before it durable: an empty transaction, committed durably.
+fn commit_durably(db: &Database) -> Result<(), redb::Error> {
+    let started = Instant::now();
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    txn.commit()?;
+    tracing::debug!(
+        sync_us = started.elapsed().as_micros() as u64,
+        "redb checkpoint: synced"
+    );
+    Ok(())
+}
+
+impl Writer {
+    /// Begins a checkpoint of the open transaction, which holds every frame written so far:
+    /// commits it at once without a sync, and starts the durable commit that syncs it. Any
+    /// error poisons the file (its changes come back from the journal at the reopen).
+    pub(super) fn start_checkpoint(&mut self) -> Result<(), redb::Error> {
+        let (Some(db), Some(journal), Some(mut txn)) =
+            (&self.db, &mut self.journal, self.txn.take())
+        else {
+            return Err(redb::Error::PreviousIo);
+        };
+        let started = Instant::now();
+        record_checkpoint(&txn, journal.last(), self.rows.next, FORMAT)?;
+        txn.set_durability(Durability::None)?;
+        txn.commit()?;
+        tracing::debug!(
+            commit_us = started.elapsed().as_micros() as u64,
+            "redb checkpoint: the second's transaction committed, its sync begins"
+        );
+        journal.begin_checkpoint();
+        let base = db.begin_read()?.open_table(RECORDS)?;
+        self.running = Some(RunningCheckpoint {
+            commit: DurableCommit::start(db),
+            base,
+            overlay: Overlay::default(),
+        });
+        self.checkpointed_at = Instant::now();
+        Ok(())
+    }
+
+    /// Ends the running checkpoint if its sync has returned, or waits for it with `wait` or
+    /// once its overlay has reached [`OVERLAY_MAX`]: the overlay goes to a new write
+    /// transaction, or, if the checkpoint failed, the file is poisoned.
+    pub(super) fn settle_checkpoint(&mut self, wait: bool) {
+        let Some(running) = &self.running else {
+            return;
+        };
+        let full = running.overlay.bytes() > OVERLAY_MAX;
+        if !(wait || full || running.commit.is_finished()) {
+            return;
+        }
+        if full {
+            tracing::debug!(
+                path = %self.path.display(),
+                "redb checkpoint slower than the changes: waiting for its sync"
+            );
+        }
+        let Some(RunningCheckpoint {
+            commit,
+            base,
+            overlay,
+        }) = self.running.take()
+        else {
+            return;
+        };
+        let synced = commit.join();
+        drop(base);
+        let started = Instant::now();
+        let rows = overlay.len();
+        let result = synced.and_then(|()| {
+            let db = self.db.as_ref().ok_or(redb::Error::PreviousIo)?;
+            let txn = db.begin_write()?;
+            overlay.apply_to(&mut txn.open_table(RECORDS)?)?;
+            tracing::debug!(
+                apply_us = started.elapsed().as_micros() as u64,
+                rows,
+                "redb checkpoint: the rows changed during its sync applied"
+            );
+            self.txn = Some(txn);
+            Ok(())
+        });
+        if let Err(cause) = result {
+            self.poison(Arc::new(cause));
+        }
+    }
+
+    /// Waits for the running checkpoint, if any, and drops it with its overlay (the file is
+    /// being closed).
+    pub(super) fn abandon_checkpoint(&mut self) {
+        if let Some(running) = self.running.take() {
+            let _ = running.commit.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

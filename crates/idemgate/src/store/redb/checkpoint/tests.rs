@@ -1,0 +1,252 @@
+//! Checkpoints under a slow disk: batches answered while the sync runs, reads that see their
+//! changes, and every acknowledged change kept through a crash or a power cut at any point.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use redb::ReadableDatabase;
+
+use super::super::open::{FORMAT, FORMAT_KEY, FORMAT_SETTLED, JOURNAL_STATE};
+use super::super::ops::Op;
+use super::super::sim_disk::{SimDisk, SyncHold};
+use super::super::tests::{assert_in_flight, charge, claim_op, run_one, writer_on};
+use super::super::writer::{CHECKPOINT_EVERY, Writer};
+use crate::record::{Completion, OwnerToken, Record, RecordKey, StoredResponse};
+use crate::store::{Claim, Transition};
+
+/// The format the file's last commit records.
+fn format(writer: &Writer) -> u64 {
+    let txn = writer.db.as_ref().unwrap().begin_read().unwrap();
+    let state = txn.open_table(JOURNAL_STATE).unwrap();
+    state.get(FORMAT_KEY).unwrap().map(|v| v.value()).unwrap()
+}
+
+/// Claims `name`'s key for a new owner, which must get it; returns the key and the owner.
+fn acquire(writer: &mut Writer, name: &str) -> (RecordKey, OwnerToken) {
+    let key = RecordKey::of(name.as_bytes());
+    let token = OwnerToken::generate();
+    let claimed = run_one(writer, claim_op(key, token));
+    assert!(
+        matches!(claimed, Ok(Claim::Acquired(_))),
+        "{name}: {claimed:?}"
+    );
+    (key, token)
+}
+
+fn complete(writer: &mut Writer, (key, token): (RecordKey, OwnerToken)) {
+    let completion = charge().encode();
+    let done = run_one(writer, |reply| Op::Complete {
+        key,
+        token,
+        completion,
+        ttl: Duration::from_secs(600),
+        reply,
+    });
+    assert!(matches!(done, Ok(Transition::Applied)), "{done:?}");
+}
+
+fn get(writer: &mut Writer, key: RecordKey) -> Option<Record> {
+    run_one(writer, |reply| Op::Get { key, reply }).expect("the get is answered")
+}
+
+/// Makes the next batch begin a checkpoint whose sync is held, runs `name`'s claim as that
+/// batch, and returns the hold once the checkpoint's sync is under way.
+fn checkpoint_held_by(
+    writer: &mut Writer,
+    disk: &SimDisk,
+    path: &Path,
+    name: &str,
+) -> ((RecordKey, OwnerToken), SyncHold) {
+    writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let hold = disk.hold_syncs(path);
+    let claimed = acquire(writer, name);
+    assert!(
+        hold.wait_held(),
+        "the claim was answered only after the checkpoint's sync"
+    );
+    assert!(writer.running.is_some(), "a checkpoint runs");
+    (claimed, hold)
+}
+
+/// The state the test leaves: `done` completed, `released` gone, `held` in flight.
+fn assert_state(writer: &mut Writer, done: &[RecordKey], released: RecordKey, held: &[RecordKey]) {
+    for &key in done {
+        let found = get(writer, key);
+        assert!(matches!(found, Some(Record::Completed { .. })), "{found:?}");
+    }
+    assert!(get(writer, released).is_none(), "the released record");
+    assert_in_flight(writer, held);
+}
+
+/// While a checkpoint's sync runs, claims are answered (journalled, not waiting for it) and
+/// every answer sees both the rows the checkpoint holds and the changes made since: a replay
+/// of a record completed before it, a conflict with one claimed during it, a removal of a row
+/// it holds. Once the sync returns the changes move to the file, and the answers stay.
+#[test]
+fn claims_during_a_checkpoint_are_answered_before_its_sync_and_read_right() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/slow-checkpoint/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    let before = acquire(&mut writer, "completed before");
+    complete(&mut writer, before);
+    let released = acquire(&mut writer, "released during");
+
+    let (started, hold) = checkpoint_held_by(&mut writer, &disk, &path, "begins it");
+    let during = acquire(&mut writer, "claimed during");
+    // A replay from the checkpoint's rows, a conflict with the overlay's.
+    let replay = run_one(&mut writer, claim_op(before.0, OwnerToken::generate()));
+    assert!(matches!(replay, Ok(Claim::Completed(_))), "{replay:?}");
+    let conflict = run_one(&mut writer, claim_op(during.0, OwnerToken::generate()));
+    assert!(
+        matches!(conflict, Ok(Claim::InFlight { .. })),
+        "{conflict:?}"
+    );
+    complete(&mut writer, during);
+    let (key, token) = released;
+    let release = run_one(&mut writer, |reply| Op::Release { key, token, reply });
+    assert!(matches!(release, Ok(Transition::Applied)), "{release:?}");
+    let done = [before.0, during.0];
+    assert_state(&mut writer, &done, released.0, &[started.0]);
+    assert!(
+        hold.holding(),
+        "all of it while the checkpoint's sync was held"
+    );
+
+    hold.release();
+    writer.settle_checkpoint(true);
+    assert!(writer.running.is_none() && writer.poisoned.is_none());
+    assert!(
+        writer.txn.is_some(),
+        "the overlay went to the next transaction"
+    );
+    assert_state(&mut writer, &done, released.0, &[started.0]);
+    let replay = run_one(&mut writer, claim_op(during.0, OwnerToken::generate()));
+    assert!(matches!(replay, Ok(Claim::Completed(_))), "{replay:?}");
+
+    // A crash after it: the checkpoint and the journal's frames since bring it all back.
+    disk.power_cut();
+    drop(writer);
+    let mut writer = writer_on(&disk, &path);
+    assert_state(&mut writer, &done, released.0, &[started.0]);
+}
+
+/// A power cut while a checkpoint's sync runs: whether or not the checkpoint landed, every
+/// change acknowledged before and during it is back at the next open, in order (a record
+/// claimed and then completed during it is completed).
+#[test]
+fn a_power_cut_during_a_checkpoint_loses_nothing_acknowledged() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/cut-in-checkpoint/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    let before = acquire(&mut writer, "before");
+    let released = acquire(&mut writer, "released");
+    let (started, hold) = checkpoint_held_by(&mut writer, &disk, &path, "begins it");
+    let during = acquire(&mut writer, "during");
+    complete(&mut writer, during);
+    complete(&mut writer, before);
+    let (key, token) = released;
+    let release = run_one(&mut writer, |reply| Op::Release { key, token, reply });
+    assert!(matches!(release, Ok(Transition::Applied)), "{release:?}");
+    let in_flight = acquire(&mut writer, "in flight");
+    assert!(hold.holding());
+
+    disk.power_cut();
+    hold.release();
+    drop(writer);
+    let mut writer = writer_on(&disk, &path);
+    let done = [before.0, during.0];
+    assert_state(&mut writer, &done, released.0, &[started.0, in_flight.0]);
+}
+
+/// A writer that stops (the store dropped) while a checkpoint's sync runs waits for it and
+/// closes with a checkpoint of its own: the next open has the changes, and no frame to apply.
+#[test]
+fn a_close_during_a_checkpoint_waits_for_it_and_keeps_everything() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/close-in-checkpoint/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    // Open, the file's journal may go on in its second file: a binary reading only the
+    // first must refuse it after a crash.
+    assert_eq!(format(&writer), FORMAT);
+    let before = acquire(&mut writer, "before");
+    let (started, hold) = checkpoint_held_by(&mut writer, &disk, &path, "begins it");
+    let during = acquire(&mut writer, "during");
+    hold.release();
+    writer.checkpoint_on_close();
+    assert!(writer.running.is_none() && writer.poisoned.is_none());
+    assert!(!writer.journal.as_ref().unwrap().has_frames());
+    assert_eq!(
+        format(&writer),
+        FORMAT_SETTLED,
+        "a clean close leaves the older format"
+    );
+    drop(writer);
+
+    disk.power_cut();
+    let mut writer = writer_on(&disk, &path);
+    assert_in_flight(&mut writer, &[before.0, started.0, during.0]);
+}
+
+/// A checkpoint whose sync takes so long that the changes made meanwhile pass the overlay's
+/// bound holds the next batch until it returns: memory stays bounded, and the changes are
+/// all kept.
+#[test]
+fn a_slow_checkpoint_holds_the_writer_once_its_overlay_is_full() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/full-overlay/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    let (started, hold) = checkpoint_held_by(&mut writer, &disk, &path, "begins it");
+    let body = bytes::Bytes::from(vec![7u8; 1024 * 1024]);
+    let mut done = Vec::new();
+    let overlay = |writer: &Writer| writer.running.as_ref().map_or(0, |r| r.overlay.bytes());
+    while overlay(&writer) <= super::OVERLAY_MAX {
+        let (key, token) = acquire(&mut writer, &format!("large {}", done.len()));
+        let completion = Completion::Response(StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: body.clone(),
+        })
+        .encode();
+        let ttl = Duration::from_secs(600);
+        let completed = run_one(&mut writer, |reply| Op::Complete {
+            key,
+            token,
+            completion,
+            ttl,
+            reply,
+        });
+        assert!(
+            matches!(completed, Ok(Transition::Applied)),
+            "{completed:?}"
+        );
+        done.push(key);
+    }
+    assert!(hold.holding(), "the overlay filled while the sync was held");
+
+    let release = std::thread::spawn({
+        let hold = hold.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(300));
+            hold.release();
+        }
+    });
+    let waited = Instant::now();
+    let next = acquire(&mut writer, "after");
+    assert!(
+        waited.elapsed() >= Duration::from_millis(250),
+        "the batch did not wait for the checkpoint"
+    );
+    // The full overlay went to the file; a new checkpoint (of a journal past its size) may
+    // have begun with an empty one.
+    assert!(
+        overlay(&writer) < super::OVERLAY_MAX,
+        "the checkpoint was ended first"
+    );
+    release.join().unwrap();
+    assert_state(
+        &mut writer,
+        &done,
+        RecordKey::of(b"never"),
+        &[started.0, next.0],
+    );
+}

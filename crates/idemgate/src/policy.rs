@@ -471,6 +471,31 @@ impl RoutePolicy {
     pub fn scope_header_names(&self) -> &[HeaderName] {
         &self.scope_headers
     }
+
+    /// The statuses whose responses the route keeps, as set by
+    /// [`store_statuses`](Self::store_statuses): a response with one of them settles its key.
+    ///
+    /// ```
+    /// use idemgate::RoutePolicy;
+    ///
+    /// let policy = RoutePolicy::webhook();
+    /// assert!(policy.stored_statuses().contains(http::StatusCode::OK));
+    /// assert!(!policy.stored_statuses().contains(http::StatusCode::INTERNAL_SERVER_ERROR));
+    /// ```
+    pub fn stored_statuses(&self) -> &StatusSet {
+        &self.store_statuses
+    }
+
+    /// What becomes of a request whose outcome is unknown, as set by
+    /// [`unknown_outcome`](Self::unknown_outcome).
+    pub fn unknown_outcome_rule(&self) -> UnknownOutcome {
+        self.unknown_outcome
+    }
+
+    /// The lease on an in-flight record, as set by [`lease`](Self::lease).
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
 }
 
 #[cfg(test)]

@@ -101,7 +101,23 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
     assert!(twice.is_empty(), "events not run exactly once: {twice:?}");
     assert!(dead_letters(&mut conn).await.is_empty());
 
-    let text = consumer.metrics().await;
+    // The counters move just after each acknowledgement: wait for the last to be counted.
+    let settled = format!(
+        "{{source=\"redis-stream://127.0.0.1:{}/{STREAM}?group={GROUP}\"}}",
+        server.port()
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let text = consumer.metrics().await;
+        let counted = ["delivered", "replayed"]
+            .iter()
+            .filter_map(|c| metric(&text, &format!("idemgate_consumer_{c}_total{settled}")))
+            .sum::<f64>();
+        if counted >= 1050.0 || Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let series = |name: &str| {
         let labels = format!(
             "{name}{{source=\"redis-stream://127.0.0.1:{}/{STREAM}?group={GROUP}\"}}",
@@ -111,6 +127,13 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
     };
     assert_eq!(series("idemgate_consumer_delivered_total"), 1000.0);
     assert_eq!(series("idemgate_consumer_replayed_total"), 50.0);
+    // Each try is counted by the layer's decision, as a proxied request is.
+    let requests = |outcome: &str| {
+        let labels = format!("idemgate_requests_total{{route=\"handle\",outcome=\"{outcome}\"}}");
+        metric(&text, &labels).unwrap_or_else(|| panic!("no {labels} in\n{text}"))
+    };
+    assert_eq!(requests("executed"), 1000.0);
+    assert_eq!(requests("replayed"), 50.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,7 +423,7 @@ async fn a_killed_consumers_pending_entries_are_taken_over_after_the_lease() {
     let held = pending_on(&mut conn, STREAM, GROUP, "a").await;
     assert!(held > 0);
     // Not before the lease (1 s, the claim idle time) has passed.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         pending_on(&mut conn, STREAM, GROUP, "a").await,
         held,
@@ -549,6 +572,41 @@ fn bad_consume_input_is_refused_with_a_clear_error() {
         assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    // A route that would let messages through unprotected is refused at start.
+    let dir = TempDir::new();
+    for (route, says) in [
+        ("key_json_pointer = \"/id\"", "reads its keys from the body"),
+        ("methods = [\"PUT\"]", "does not take POST requests"),
+    ] {
+        let config = dir.write(
+            "route.toml",
+            &format!("[[routes]]\nprefix = \"/handle\"\nname = \"handle\"\n{route}\n"),
+        );
+        let output = idemgate()
+            .args([
+                "--config",
+                &config,
+                "--store",
+                "memory",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1/handle",
+                "consume",
+                "--source",
+                "redis-stream://127.0.0.1:1/s?group=g",
+                "--key-field",
+                "id",
+            ])
+            .output()
+            .expect("run idemgate");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{route}: {stderr}");
+        assert!(
+            stderr.contains(&format!("the handler's route \"handle\" {says}")),
+            "{route}: {stderr}"
+        );
     }
     let ok = idemgate()
         .args([

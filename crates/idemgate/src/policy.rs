@@ -496,6 +496,30 @@ impl RoutePolicy {
     pub fn lease_duration(&self) -> Duration {
         self.lease
     }
+
+    /// Where the route reads a request's key, as set by [`key`](Self::key).
+    pub fn key_source(&self) -> &KeySource {
+        &self.key
+    }
+
+    /// Whether requests with `method` take part (others pass through unprotected), as set by
+    /// [`methods`](Self::methods).
+    ///
+    /// ```
+    /// use idemgate::RoutePolicy;
+    ///
+    /// assert!(RoutePolicy::api().takes_part(&http::Method::POST));
+    /// assert!(!RoutePolicy::api().takes_part(&http::Method::GET));
+    /// ```
+    pub fn takes_part(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    /// Whether the route checks a sender's signature before anything else (see
+    /// [`verify_with`](Self::verify_with)).
+    pub fn verifies_signatures(&self) -> bool {
+        self.verifier.is_some()
+    }
 }
 
 #[cfg(test)]

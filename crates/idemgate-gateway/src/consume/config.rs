@@ -534,6 +534,24 @@ mod tests {
     }
 
     #[test]
+    fn the_sample_file_loads() {
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../config/consume.toml"
+        ));
+        let settings =
+            ConsumeSettings::load(Some(path), &Overrides::default(), SourceFlags::default())
+                .unwrap();
+        let [source] = settings.sources.as_slice() else {
+            panic!("one source expected");
+        };
+        assert_eq!(source.stream.stream, "orders");
+        assert_eq!(source.key_field, KeyField::Field("event_id".into()));
+        assert_eq!(source.claim_idle, Some(Duration::from_secs(30)));
+        assert_eq!(source.dead_letter_stream, "orders.dead");
+    }
+
+    #[test]
     fn bad_sources_are_refused_naming_the_field() {
         let base = "store = \"memory\"\nupstream = \"http://127.0.0.1:3000\"\n";
         for (source, field, says) in [

@@ -1,13 +1,13 @@
 //! One try of one message: a `POST` to the handler through the proxy's own layer and
-//! forwarder, and what its [`Outcome`] means for the entry ([`Verdict`]).
+//! forwarder, and what its [`Outcome`](idemgate::Outcome) means for the entry ([`Verdict`]).
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use http::{HeaderValue, Method, Request, StatusCode, Uri};
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
-use idemgate::headers::IDEMPOTENCY_KEY;
 use idemgate::policy::UnknownOutcome;
 use idemgate::response::{Decision, UpstreamFailure};
 use idemgate::{IdempotencyService, RoutePolicy};
@@ -15,6 +15,7 @@ use tower_service::Service;
 
 use super::message::Message;
 use crate::forward::Forwarder;
+use crate::metrics::Metrics;
 
 /// What one try settled about an entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,17 +129,29 @@ pub fn verdict(
 pub struct Deliverer {
     service: IdempotencyService<Forwarder>,
     uri: Uri,
+    key_header: HeaderName,
     policy: RoutePolicy,
+    metrics: Arc<Metrics>,
 }
 
 impl Deliverer {
     /// `service` (the proxy's layer over a forwarder to the handler's server) sends to the
-    /// path of `uri`, which falls on the route `policy`.
-    pub fn new(service: IdempotencyService<Forwarder>, uri: Uri, policy: RoutePolicy) -> Self {
+    /// path of `uri`, which falls on the route `policy`, with each message's key in
+    /// `key_header` (the header that route reads keys from, `Idempotency-Key` unless it names
+    /// another); each try's decision is counted in `metrics` as the proxy counts a request's.
+    pub fn new(
+        service: IdempotencyService<Forwarder>,
+        uri: Uri,
+        key_header: HeaderName,
+        policy: RoutePolicy,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             service,
             uri,
+            key_header,
             policy,
+            metrics,
         }
     }
 
@@ -161,16 +174,20 @@ impl Deliverer {
         *request.method_mut() = Method::POST;
         *request.uri_mut() = self.uri.clone();
         let headers = request.headers_mut();
-        headers.insert(IDEMPOTENCY_KEY, key);
+        headers.insert(self.key_header.clone(), key);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static(message.content_type));
         let mut service = self.service.clone();
         let Ok(response) = call(&mut service, request).await;
         let status = response.status();
         let failure = response.extensions().get::<UpstreamFailure>().copied();
         let (_, mut body) = response.into_parts();
-        let decision = body
-            .outcome()
-            .map_or(Decision::PassedThrough, |outcome| outcome.decision);
+        let decision = match body.outcome() {
+            Some(outcome) => {
+                self.metrics.count_request(&outcome.route, outcome.decision);
+                outcome.decision
+            }
+            None => Decision::PassedThrough,
+        };
         // Read to its end, kept or not: the connection goes back to the pool, and a response
         // the route keeps too large to buffer is completed as it is read.
         while let Some(frame) = body.frame().await {

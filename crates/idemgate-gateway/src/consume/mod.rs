@@ -5,7 +5,7 @@
 //! once. docs/consume.md is the user's page.
 //!
 //! - [`config`]: `[[sources]]` and the `consume` flags.
-//! - [`source`]: the [`Source`](source::Source) trait a broker implements.
+//! - [`source`]: the [`Source`] trait a broker implements.
 //! - `redis_stream`: the Redis Streams source.
 //! - [`message`]: an entry's key and body.
 //! - [`deliver`]: one try, and what its outcome means for the entry.
@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use http::Uri;
+use http::{HeaderName, Method, Uri};
 use tokio::sync::watch;
 use tower_layer::Layer;
 
@@ -41,8 +41,9 @@ use crate::config::Upstream;
 use crate::forward::Forwarder;
 use crate::metrics::{InstrumentedStore, Metrics};
 use crate::server::{self, RunError};
-use idemgate::IdempotencyLayer;
+use idemgate::policy::KeySource;
 use idemgate::store::Store;
+use idemgate::{IdempotencyLayer, RoutePolicy};
 
 /// Why the consumer could not start.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +52,16 @@ pub enum ConsumeError {
     /// The store or the admin listener could not be set up, as for the proxy.
     #[error(transparent)]
     Start(#[from] RunError),
+    /// The route the handler's path falls on cannot protect queued messages.
+    #[error("source {source_name}: the handler's route {route:?} {why}")]
+    Route {
+        /// The source, without credentials.
+        source_name: String,
+        /// The route's name.
+        route: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// A source could not be set up.
     #[error("cannot open source {source_name}")]
     Source {
@@ -161,13 +172,24 @@ fn runner_for(
         Arc::clone(metrics),
     );
     let policy = layer.route_policy(&path).clone();
+    let key_header = key_header(&policy).map_err(|why| ConsumeError::Route {
+        source_name: source.stream.to_string(),
+        route: policy.route_name().to_owned(),
+        why,
+    })?;
     // A base path of a parsed upstream URL is a valid request path.
     let uri: Uri = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
     let claim_idle = source.claim_idle.unwrap_or_else(|| policy.lease_duration());
     Ok(Runner {
         metrics: consumer_metrics.source(broker.name()),
         source: broker,
-        deliverer: Deliverer::new(layer.layer(forwarder), uri, policy),
+        deliverer: Deliverer::new(
+            layer.layer(forwarder),
+            uri,
+            key_header,
+            policy,
+            Arc::clone(metrics),
+        ),
         reading: Reading {
             key_field: source.key_field.clone(),
             entry_id_fallback: source.entry_id_fallback,
@@ -178,6 +200,21 @@ fn runner_for(
         retry_backoff: source.retry_backoff,
         claim_idle,
     })
+}
+
+/// The header the route reads keys from, where each message's key goes. A route that would
+/// let a queued message through unprotected, or refuse every one, is refused at start.
+fn key_header(policy: &RoutePolicy) -> Result<HeaderName, &'static str> {
+    if !policy.takes_part(&Method::POST) {
+        return Err("does not take POST requests: messages would reach the handler unprotected");
+    }
+    if policy.verifies_signatures() {
+        return Err("verifies a webhook sender's signature, which a queued message does not carry");
+    }
+    match policy.key_source() {
+        KeySource::Header(name) => Ok(name.clone()),
+        _ => Err("reads its keys from the body; the consumer sends each message's key in a header"),
+    }
 }
 
 #[cfg(feature = "redis")]

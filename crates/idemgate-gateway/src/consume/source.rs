@@ -1,5 +1,5 @@
 //! [`Source`]: what the consumer needs of a broker. Redis Streams is the one built
-//! ([`super::redis_stream`]); docs/consume.md says what Kafka, SQS or NATS would need.
+//! (`redis_stream`); docs/consume.md says what Kafka, SQS or NATS would need.
 
 use std::time::Duration;
 

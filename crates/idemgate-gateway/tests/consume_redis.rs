@@ -134,6 +134,9 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
     };
     assert_eq!(requests("executed"), 1000.0);
     assert_eq!(requests("replayed"), 50.0);
+    // A duplicate read beside its event waited for it in the consumer rather than meet it
+    // in flight in the store.
+    assert_eq!(requests("in_flight"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -444,6 +447,56 @@ async fn a_killed_consumers_pending_entries_are_taken_over_after_the_lease() {
         ambiguous as u64 <= held,
         "only what `a` held can be ambiguous"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_waiting_for_its_next_try_is_not_taken_over_by_another_consumer() {
+    let server = RedisServer::start();
+    let mut conn = redis(&server.url()).await;
+    let handler = Handler::start(|_, _| Reply::status(500)).await;
+    let dir = TempDir::new();
+    let config = config(&dir, "");
+    let store = server.url();
+    // `a` makes ten tries, 50 ms apart and doubling up to 500 ms (half its claim idle
+    // time), about 3.5 s of waits, and takes nothing over itself; `b` takes over entries
+    // idle for 700 ms. Only `a` reads: `b` starts once `a` holds the entry.
+    let a = consumer(
+        &config,
+        &server,
+        "&consumer=a",
+        &store,
+        &handler,
+        &["--max-attempts", "10", "--claim-idle", "1s"],
+    );
+    produce_event(&mut conn, STREAM, "refused").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pending_on(&mut conn, STREAM, GROUP, "a").await == 0 {
+        assert!(Instant::now() < deadline, "a never read it:\n{}", a.logs());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let b = consumer(
+        &config,
+        &server,
+        "&consumer=b",
+        &store,
+        &handler,
+        &["--max-attempts", "10", "--claim-idle", "700ms"],
+    );
+    assert!(
+        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
+        "{}\n{}",
+        a.logs(),
+        b.logs()
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        handler.runs_of("refused"),
+        10,
+        "one consumer's tries, no more"
+    );
+    let dead = dead_letters(&mut conn).await;
+    assert_eq!(dead.len(), 1, "one dead letter: {dead:?}");
+    assert_eq!(dead[0]["attempts"], "10");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! The Redis Streams [`Source`]: a consumer group read with `XREADGROUP`, settled with
-//! `XACK`, dead letters written with `XADD` in the same `MULTI` as their `XACK`, and stale
-//! entries of dead consumers taken over with `XAUTOCLAIM`.
+//! `XACK`, dead letters written with `XADD` in the same `MULTI` as their `XACK`, stale
+//! entries of dead consumers taken over with `XAUTOCLAIM`, and the entries waiting for a
+//! retry kept from them with `XCLAIM … JUSTID`.
 //!
 //! Blocking reads have a connection of their own: Redis answers a connection's commands in
 //! order, so an acknowledgement queued behind a read blocked for a second would wait for it.
@@ -173,7 +174,7 @@ impl Source for RedisStreamSource {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let reply: Value = redis::cmd("XAUTOCLAIM")
+        let claimed = redis::cmd("XAUTOCLAIM")
             .arg(&self.spec.stream)
             .arg(&self.spec.group)
             .arg(&self.spec.consumer)
@@ -182,8 +183,16 @@ impl Source for RedisStreamSource {
             .arg("COUNT")
             .arg(max)
             .query_async(&mut self.commands.clone())
-            .await
-            .map_err(|e| self.error("XAUTOCLAIM", e))?;
+            .await;
+        let reply: Value = match claimed {
+            Ok(reply) => reply,
+            // No group yet, so nothing pending to take over.
+            Err(e) if no_group(&e) => {
+                self.create_group().await?;
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(self.error("XAUTOCLAIM", e)),
+        };
         let Value::Array(parts) = reply else {
             return Err(self.error("XAUTOCLAIM", unexpected("XAUTOCLAIM")));
         };
@@ -193,6 +202,22 @@ impl Source for RedisStreamSource {
             .unwrap_or_else(|| "0-0".to_owned());
         *self.claim_cursor.lock().unwrap_or_else(|p| p.into_inner()) = next;
         Ok(parts.get(1).map(entry_list).unwrap_or_default())
+    }
+
+    async fn touch(&self, id: &str) -> Result<(), SourceError> {
+        // XCLAIM by the entry's own consumer with no minimum idle time: only the idle time
+        // changes (JUSTID leaves the delivery count alone).
+        let _: Value = redis::cmd("XCLAIM")
+            .arg(&self.spec.stream)
+            .arg(&self.spec.group)
+            .arg(&self.spec.consumer)
+            .arg(0)
+            .arg(id)
+            .arg("JUSTID")
+            .query_async(&mut self.commands.clone())
+            .await
+            .map_err(|e| self.error("XCLAIM", e))?;
+        Ok(())
     }
 
     async fn ack(&self, id: &str) -> Result<(), SourceError> {

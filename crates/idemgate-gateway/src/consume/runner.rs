@@ -280,7 +280,12 @@ async fn deliver(shared: &Shared, entry: &Entry, message: &Message) {
                 backoff(runner.retry_backoff, waits, MAX_RETRY_BACKOFF)
             }
         };
-        if !pause_unless_stopped(shared, pause).await {
+        // The entry stays this consumer's while it waits: its idle time starts again here,
+        // and the wait is at most half of claim_idle.
+        if let Err(error) = runner.source.touch(&entry.id).await {
+            tracing::debug!(source = %runner.source.name(), entry = %entry.id, error = %ErrorChain(&error), "keeping the entry failed");
+        }
+        if !pause_unless_stopped(shared, pause.min(runner.claim_idle / 2)).await {
             return;
         }
     }

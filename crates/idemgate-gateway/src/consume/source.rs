@@ -93,6 +93,10 @@ pub trait Source: Send + Sync + 'static {
     /// now this consumer's.
     async fn claim_stale(&self, min_idle: Duration, max: usize) -> Result<Vec<Entry>, SourceError>;
 
+    /// Tells the broker this consumer is still working on the entry (a message waiting for
+    /// its next try): its idle time starts again, so no other consumer takes it over meanwhile.
+    async fn touch(&self, id: &str) -> Result<(), SourceError>;
+
     /// Acknowledges the entry: it is settled and never delivered again.
     async fn ack(&self, id: &str) -> Result<(), SourceError>;
 

@@ -450,6 +450,43 @@ async fn a_killed_consumers_pending_entries_are_taken_over_after_the_lease() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_restarted_under_its_name_takes_its_pending_entries_back_at_once() {
+    let server = RedisServer::start();
+    let mut conn = redis(&server.url()).await;
+    let handler = Handler::start(|_, _| Reply::ok().after(Duration::from_millis(300))).await;
+    let dir = TempDir::new();
+    let config = config(&dir, "");
+    let store = server.url();
+    let ids: Vec<String> = (0..6).map(|i| format!("n{i}")).collect();
+    for id in &ids {
+        produce_event(&mut conn, STREAM, id).await;
+    }
+    // No other consumer would take its entries over within the test.
+    let args = ["--max-in-flight", "2", "--claim-idle", "60s"];
+    let mut first = consumer(&config, &server, "&consumer=c", &store, &handler, &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pending_on(&mut conn, STREAM, GROUP, "c").await == 0 {
+        assert!(Instant::now() < deadline, "c never read:\n{}", first.logs());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.kill9();
+    let again = consumer(&config, &server, "&consumer=c", &store, &handler, &args);
+    assert!(
+        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
+        "{:?}\n{}",
+        backlog(&mut conn, STREAM, GROUP).await,
+        again.logs()
+    );
+    let dead = dead_letters(&mut conn).await;
+    let (wrong, ambiguous) = not_exactly_once(&handler, &ids, &dead);
+    assert!(wrong.is_empty(), "events run other than once: {wrong:?}");
+    assert!(
+        ambiguous <= 2,
+        "only the two in flight at the kill: {dead:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_waiting_for_its_next_try_is_not_taken_over_by_another_consumer() {
     let server = RedisServer::start();
     let mut conn = redis(&server.url()).await;

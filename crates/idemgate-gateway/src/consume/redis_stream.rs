@@ -7,7 +7,6 @@
 //! order, so an acknowledgement queued behind a read blocked for a second would wait for it.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -30,9 +29,11 @@ pub(super) struct RedisStreamSource {
     dead_letter_stream: String,
     reads: ConnectionManager,
     commands: ConnectionManager,
-    /// Set once this consumer's own pending entries (left by an earlier run under the same
-    /// name) have all been read again; reads then ask for new entries.
-    history_done: AtomicBool,
+    /// Where the next read of this consumer's own pending entries (left by an earlier run
+    /// under the same name) starts: after the last one read, so that entries still in flight
+    /// are not read again. `None` once they have all been read; reads then ask for new
+    /// entries.
+    history: Mutex<Option<String>>,
     /// Where the next `XAUTOCLAIM` scan starts.
     claim_cursor: Mutex<String>,
 }
@@ -80,7 +81,7 @@ impl RedisStreamSource {
             dead_letter_stream,
             reads,
             commands,
-            history_done: AtomicBool::new(false),
+            history: Mutex::new(Some("0".to_owned())),
             claim_cursor: Mutex::new("0-0".to_owned()),
         })
     }
@@ -147,11 +148,14 @@ impl Source for RedisStreamSource {
     }
 
     async fn read(&self, max: usize, block: Duration) -> Result<Vec<Entry>, SourceError> {
-        let history = !self.history_done.load(Ordering::Relaxed);
-        let (id, block) = if history {
-            ("0", None)
-        } else {
-            (">", Some(block))
+        let history = self
+            .history
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (id, block) = match &history {
+            Some(after) => (after.as_str(), None),
+            None => (">", Some(block)),
         };
         let reply = match self.read_group(id, max, block).await {
             Err(e) if no_group(&e) => {
@@ -162,8 +166,9 @@ impl Source for RedisStreamSource {
         };
         let reply = reply.map_err(|e| self.error("XREADGROUP", e))?;
         let entries = stream_entries(&reply);
-        if history && entries.is_empty() {
-            self.history_done.store(true, Ordering::Relaxed);
+        if history.is_some() {
+            *self.history.lock().unwrap_or_else(|p| p.into_inner()) =
+                entries.last().map(|last| last.id.clone());
         }
         Ok(entries)
     }

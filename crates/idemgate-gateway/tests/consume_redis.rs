@@ -137,6 +137,7 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
     // A duplicate read beside its event waited for it in the consumer rather than meet it
     // in flight in the store.
     assert_eq!(requests("in_flight"), 0.0);
+    support::promtool_accepts(&text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -207,6 +208,16 @@ async fn a_handler_that_always_fails_gets_the_message_dead_lettered_after_max_at
         letter["fields"].contains("\"event_id\":\"doomed\""),
         "{letter:?}"
     );
+    let source = format!(
+        "source=\"redis-stream://127.0.0.1:{}/{STREAM}?group={GROUP}\"",
+        server.port()
+    );
+    let dead = format!("idemgate_consumer_dead_lettered_total{{{source},reason=\"rejected\"}}");
+    let retries = format!("idemgate_consumer_retries_total{{{source}}}");
+    let text = support::metrics_once(&consumer, &dead, 1.0).await;
+    assert_eq!(metric(&text, &dead), Some(1.0), "{text}");
+    assert_eq!(metric(&text, &retries), Some(2.0), "{text}");
+    support::promtool_accepts(&text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -141,6 +141,44 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_and_the_same_event_off_the_queue_run_once_between_them() {
+    let server = RedisServer::start();
+    let mut conn = redis(&server.url()).await;
+    let handler = Handler::start(|_, _| Reply::ok()).await;
+    let dir = TempDir::new();
+    let config = config(&dir, "");
+    let store = server.url();
+    let root = format!("http://{}", handler.addr);
+    // The proxy in front of the handler and the consumer share the store and the route.
+    let proxy =
+        Consumer::start_proxy(&["--config", &config, "--store", &store, "--upstream", &root]);
+    let consumer = consumer(&config, &server, "", &store, &handler, &[]);
+    let body = |id: &str| format!("{{\"id\":\"{id}\",\"amount\":42}}");
+    // By webhook first, then off the queue.
+    assert_eq!(proxy.post("/handle", "w1", &body("w1")).await, (200, false));
+    produce_event(&mut conn, STREAM, "w1").await;
+    // Off the queue first, then by webhook: answered from the consumer's record.
+    produce_event(&mut conn, STREAM, "q1").await;
+    assert!(
+        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
+        "{}",
+        consumer.logs()
+    );
+    assert_eq!(proxy.post("/handle", "q1", &body("q1")).await, (200, true));
+    assert_eq!(
+        handler.runs_of("w1"),
+        1,
+        "the webhook ran it; the queue's copy replayed"
+    );
+    assert_eq!(
+        handler.runs_of("q1"),
+        1,
+        "the queue ran it; the webhook replayed"
+    );
+    assert!(dead_letters(&mut conn).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_fails_then_succeeds_is_retried_and_settled() {
     let server = RedisServer::start();
     let mut conn = redis(&server.url()).await;

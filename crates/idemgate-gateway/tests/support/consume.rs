@@ -171,10 +171,12 @@ impl Drop for TempDir {
     }
 }
 
-/// The `idemgate consume` child process.
+/// The `idemgate consume` child process (or, from [`Consumer::start_proxy`], the proxy).
 pub(crate) struct Consumer {
     child: Child,
     pub(crate) admin: SocketAddr,
+    /// Where the proxy listens, when this is one.
+    proxy: Option<SocketAddr>,
     logs: Arc<Mutex<String>>,
 }
 
@@ -193,6 +195,19 @@ impl Consumer {
     /// Starts `idemgate --admin-listen 127.0.0.1:0 ARGS…` and waits for its
     /// `idemgate consuming … admin ADDR` line.
     pub(crate) fn start(args: &[&str]) -> Self {
+        Self::start_announcing("idemgate consuming ", args)
+    }
+
+    /// Starts the proxy, `idemgate --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 ARGS…`,
+    /// and waits for its `idemgate listening on ADDR admin ADDR` line; [`Consumer::proxy`]
+    /// is where it listens.
+    pub(crate) fn start_proxy(args: &[&str]) -> Self {
+        let mut all = vec!["--listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        Self::start_announcing("idemgate listening on ", &all)
+    }
+
+    fn start_announcing(announcement: &'static str, args: &[&str]) -> Self {
         let mut cmd = idemgate();
         cmd.args(["--admin-listen", "127.0.0.1:0"]).args(args);
         cmd.stdout(Stdio::null()).stderr(Stdio::piped());
@@ -205,7 +220,7 @@ impl Consumer {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix("idemgate consuming ")
+                if let Some(rest) = line.strip_prefix(announcement)
                     && let Some(tx) = tx.take()
                 {
                     let _ = tx.send(rest.to_owned());
@@ -221,12 +236,38 @@ impl Consumer {
             std::thread::sleep(Duration::from_millis(100));
             panic!("idemgate consume did not start:\n{}", logs.lock().unwrap());
         };
-        let admin = line
-            .rsplit(" admin ")
-            .next()
-            .and_then(|a| a.trim().parse().ok())
-            .expect("the admin address");
-        Self { child, admin, logs }
+        let (served, admin) = line.rsplit_once(" admin ").expect("ADDR admin ADDR");
+        Self {
+            child,
+            admin: admin.trim().parse().expect("the admin address"),
+            proxy: served.trim().parse().ok(),
+            logs,
+        }
+    }
+
+    /// `POST`s `body` (JSON) with `key` to the proxy's `path`: the status and whether the
+    /// answer was a replay.
+    pub(crate) async fn post(&self, path: &str, key: &str, body: &str) -> (u16, bool) {
+        let addr = self.proxy.expect("a proxy");
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let req = Request::post(path)
+            .header("host", "proxy")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap();
+        let response = sender.send_request(req).await.unwrap();
+        let replayed = response
+            .headers()
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true");
+        let status = response.status().as_u16();
+        let _ = response.into_body().collect().await;
+        (status, replayed)
     }
 
     pub(crate) fn logs(&self) -> String {

@@ -191,6 +191,11 @@ pub struct FileConfig {
     /// Routes by path prefix.
     #[serde(default)]
     pub routes: Vec<RouteFile>,
+    /// The queues `idemgate consume` reads, each a table that
+    /// [`consume::config`](crate::consume::config) reads and checks; the proxy leaves them
+    /// alone, so one file serves both commands.
+    #[serde(default)]
+    pub sources: Vec<toml::Table>,
 }
 
 /// `[limits]` as written.

@@ -202,7 +202,17 @@ impl Metrics {
     /// Empty metrics with a series for each decision on each of `routes` (the configured
     /// route names), counted without a lookup; requests on other routes are counted too.
     pub fn with_routes<'a>(routes: impl IntoIterator<Item = &'a str>) -> Arc<Self> {
+        Self::with_routes_and(routes, |_| {})
+    }
+
+    /// [`Metrics::with_routes`], with the series `more` registers rendered after the
+    /// gateway's own (the consumer's per-source series, say).
+    pub fn with_routes_and<'a>(
+        routes: impl IntoIterator<Item = &'a str>,
+        more: impl FnOnce(&mut Registry),
+    ) -> Arc<Self> {
         let mut registry = Registry::default();
+        more(&mut registry);
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
             "idemgate_requests",

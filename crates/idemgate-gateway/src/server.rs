@@ -315,7 +315,7 @@ async fn drain(
     }
 }
 
-async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Duration) {
+pub(crate) async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Duration) {
     match tokio::time::timeout(timeout, store.ping()).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => tracing::warn!(
@@ -328,7 +328,10 @@ async fn warn_if_unreachable(store: Arc<dyn Store>, spec: String, timeout: Durat
 }
 
 /// The listener for `what` (the config field) on `addr`, and the address it got.
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), RunError> {
+pub(crate) async fn bind(
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<(TcpListener, SocketAddr), RunError> {
     let bound = async {
         let listener = TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
@@ -341,7 +344,7 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<(TcpListener, Sock
 
 /// The layer in front of the forwarder: every configured route, bounds on the store, and the
 /// outcome left on each response's body for the request log.
-fn idempotency_layer(settings: &Settings, store: Arc<dyn Store>) -> IdempotencyLayer {
+pub(crate) fn idempotency_layer(settings: &Settings, store: Arc<dyn Store>) -> IdempotencyLayer {
     let mut layer = IdempotencyLayer::new(store)
         .default_route(settings.default_route.clone())
         .store_timeout(settings.store_timeout)
@@ -1104,7 +1107,7 @@ impl std::fmt::Display for LoggedRecord {
     }
 }
 
-async fn admin_loop(
+pub(crate) async fn admin_loop(
     listener: TcpListener,
     state: Arc<AdminState>,
     mut stop: watch::Receiver<bool>,

@@ -145,6 +145,22 @@ impl IdempotencyLayer {
         self.settings.stats.clone()
     }
 
+    /// The policy a request on `path` is handled under: the route with the longest prefix
+    /// that matches `path` at a segment boundary, else the default route.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idemgate::{IdempotencyLayer, MemoryStore, RoutePolicy};
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::default()))
+    ///     .route("/hooks", RoutePolicy::webhook().name("hooks"));
+    /// assert_eq!(layer.route_policy("/hooks/github").route_name(), "hooks");
+    /// assert_eq!(layer.route_policy("/hooksx").route_name(), "default");
+    /// ```
+    pub fn route_policy(&self, path: &str) -> &RoutePolicy {
+        &self.settings.route_for(path).policy
+    }
+
     /// The store this layer uses.
     pub fn store(&self) -> Arc<dyn Store> {
         self.settings.store.clone()

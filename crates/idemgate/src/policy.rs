@@ -495,6 +495,55 @@ impl RoutePolicy {
     pub fn scope_header_names(&self) -> &[HeaderName] {
         &self.scope_headers
     }
+
+    /// The statuses whose responses the route keeps, as set by
+    /// [`store_statuses`](Self::store_statuses): a response with one of them settles its key.
+    ///
+    /// ```
+    /// use idemgate::RoutePolicy;
+    ///
+    /// let policy = RoutePolicy::webhook();
+    /// assert!(policy.stored_statuses().contains(http::StatusCode::OK));
+    /// assert!(!policy.stored_statuses().contains(http::StatusCode::INTERNAL_SERVER_ERROR));
+    /// ```
+    pub fn stored_statuses(&self) -> &StatusSet {
+        &self.store_statuses
+    }
+
+    /// What becomes of a request whose outcome is unknown, as set by
+    /// [`unknown_outcome`](Self::unknown_outcome).
+    pub fn unknown_outcome_rule(&self) -> UnknownOutcome {
+        self.unknown_outcome
+    }
+
+    /// The lease on an in-flight record, as set by [`lease`](Self::lease).
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+
+    /// Where the route reads a request's key, as set by [`key`](Self::key).
+    pub fn key_source(&self) -> &KeySource {
+        &self.key
+    }
+
+    /// Whether requests with `method` take part (others pass through unprotected), as set by
+    /// [`methods`](Self::methods).
+    ///
+    /// ```
+    /// use idemgate::RoutePolicy;
+    ///
+    /// assert!(RoutePolicy::api().takes_part(&http::Method::POST));
+    /// assert!(!RoutePolicy::api().takes_part(&http::Method::GET));
+    /// ```
+    pub fn takes_part(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    /// Whether the route checks a sender's signature before anything else (see
+    /// [`verify_with`](Self::verify_with)).
+    pub fn verifies_signatures(&self) -> bool {
+        self.verifier.is_some()
+    }
 }
 
 #[cfg(test)]

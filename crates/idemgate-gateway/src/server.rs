@@ -245,7 +245,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> Resu
 
 /// What the admin listener answers from: the store, the counters, the token, and every
 /// route's policy (the default first) for the record endpoints.
-fn admin_state(
+pub(crate) fn admin_state(
     settings: &Settings,
     store: &Arc<dyn Store>,
     metrics: &Arc<Metrics>,

@@ -36,7 +36,6 @@ use self::message::Reading;
 use self::metrics::ConsumerMetrics;
 use self::runner::Runner;
 use self::source::{Source, SourceError};
-use crate::admin::AdminState;
 use crate::config::Upstream;
 use crate::forward::Forwarder;
 use crate::metrics::{InstrumentedStore, Metrics};
@@ -87,7 +86,7 @@ pub async fn run(
     let metrics = Metrics::with_routes_and(gateway.route_names(), |registry| {
         consumer_metrics.register(registry);
     });
-    let raw_store = server::open_store(&gateway.store, gateway.store_timeout).await?;
+    let raw_store = server::open_store(gateway).await?;
     let first_ping = Arc::clone(&raw_store);
     let store: Arc<dyn Store> = Arc::new(InstrumentedStore::new(raw_store, Arc::clone(&metrics)));
     let layer = server::idempotency_layer(gateway, Arc::clone(&store));
@@ -107,17 +106,7 @@ pub async fn run(
         gateway.store_timeout,
     ));
     let draining = Arc::new(AtomicBool::new(false));
-    let admin_state = Arc::new(AdminState {
-        store: Arc::clone(&store),
-        store_timeout: gateway.store_timeout,
-        metrics: Arc::clone(&metrics),
-        stats: layer.stats(),
-        token: gateway.admin_token.clone(),
-        routes: std::iter::once(gateway.default_route.clone())
-            .chain(gateway.routes.iter().map(|r| r.policy.clone()))
-            .collect(),
-        draining: Arc::clone(&draining),
-    });
+    let admin_state = server::admin_state(gateway, &store, &metrics, &layer.stats(), &draining);
     let admin_task = tokio::spawn(server::admin_loop(
         admin_listener,
         admin_state,

@@ -179,18 +179,77 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     /// Handles on the configured routes' request counters, by decision.
-    routes: Vec<(Arc<str>, [Counter; Decision::ALL.len()])>,
+    routes: RouteCounters,
     upstream: Histogram,
     upstream_errors: [Counter; UpstreamErrorKind::ALL.len()],
     unrouted_requests: [Counter; UnroutedReason::ALL.len()],
-    store_durations: StoreHistograms,
-    store_errors: Family<StoreLabels, Counter>,
-    store_abandoned: Family<StoreLabels, Counter>,
+    store: StoreSeries,
     open_connections: Gauge,
     abandoned_requests: Counter,
     /// Set when shutdown gave up on open requests: those are cut by the gateway, not
     /// abandoned by their clients.
     cut_off: AtomicBool,
+}
+
+/// The configured routes' request counters, by decision.
+type RouteCounters = Vec<(Arc<str>, [Counter; Decision::ALL.len()])>;
+
+/// The store calls' series, by backend and operation.
+#[derive(Debug)]
+struct StoreSeries {
+    durations: StoreHistograms,
+    errors: Family<StoreLabels, Counter>,
+    abandoned: Family<StoreLabels, Counter>,
+}
+
+impl StoreSeries {
+    fn register(registry: &mut Registry) -> Self {
+        let durations: StoreHistograms = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "idemgate_store_duration_seconds",
+            "Time one store call waited, by operation (0 if answered at once)",
+            durations.clone(),
+        );
+        let errors = Family::<StoreLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_call_errors",
+            "Store calls that returned an error, by operation",
+            errors.clone(),
+        );
+        let abandoned = Family::<StoreLabels, Counter>::default();
+        registry.register(
+            "idemgate_store_calls_abandoned",
+            "Store calls given up before they answered (store_timeout)",
+            abandoned.clone(),
+        );
+        Self {
+            durations,
+            errors,
+            abandoned,
+        }
+    }
+}
+
+/// Each configured route's counter for every decision, made up front so that counting a
+/// request needs no lookup.
+fn route_counters<'a>(
+    requests: &Family<RequestLabels, Counter>,
+    routes: impl IntoIterator<Item = &'a str>,
+) -> RouteCounters {
+    routes
+        .into_iter()
+        .map(|route| {
+            let counters = Decision::ALL.map(|decision| {
+                requests
+                    .get_or_create(&RequestLabels {
+                        route: route.to_owned(),
+                        outcome: decision.as_str(),
+                    })
+                    .clone()
+            });
+            (Arc::from(route), counters)
+        })
+        .collect()
 }
 
 impl Metrics {
@@ -237,24 +296,7 @@ impl Metrics {
             "Requests answered before any route saw them, by reason: malformed (400, not well-formed HTTP), too_large (431, header fields past the limits; 414, a target too long) or unsupported (501, a transfer coding other than chunked alone)",
             unrouted.clone(),
         );
-        let store_durations: StoreHistograms = Family::new_with_constructor(latency_histogram);
-        registry.register(
-            "idemgate_store_duration_seconds",
-            "Time one store call waited, by operation (0 if answered at once)",
-            store_durations.clone(),
-        );
-        let store_errors = Family::<StoreLabels, Counter>::default();
-        registry.register(
-            "idemgate_store_call_errors",
-            "Store calls that returned an error, by operation",
-            store_errors.clone(),
-        );
-        let store_abandoned = Family::<StoreLabels, Counter>::default();
-        registry.register(
-            "idemgate_store_calls_abandoned",
-            "Store calls given up before they answered (store_timeout)",
-            store_abandoned.clone(),
-        );
+        let store = StoreSeries::register(&mut registry);
         let abandoned_requests = Counter::default();
         registry.register(
             "idemgate_requests_abandoned",
@@ -267,20 +309,7 @@ impl Metrics {
             "Client connections open now",
             open_connections.clone(),
         );
-        let routes = routes
-            .into_iter()
-            .map(|route| {
-                let counters = Decision::ALL.map(|decision| {
-                    requests
-                        .get_or_create(&RequestLabels {
-                            route: route.to_owned(),
-                            outcome: decision.as_str(),
-                        })
-                        .clone()
-                });
-                (Arc::from(route), counters)
-            })
-            .collect();
+        let routes = route_counters(&requests, routes);
         Arc::new(Self {
             upstream_errors: UpstreamErrorKind::ALL.map(|kind| {
                 let labels = KindLabels {
@@ -298,9 +327,7 @@ impl Metrics {
             requests,
             routes,
             upstream,
-            store_durations,
-            store_errors,
-            store_abandoned,
+            store,
             open_connections,
             abandoned_requests,
             cut_off: AtomicBool::new(false),
@@ -315,9 +342,9 @@ impl Metrics {
                 op: op.as_str(),
             };
             StoreOpMetrics {
-                duration: self.store_durations.get_or_create(&labels).clone(),
-                errors: self.store_errors.get_or_create(&labels).clone(),
-                abandoned: self.store_abandoned.get_or_create(&labels).clone(),
+                duration: self.store.durations.get_or_create(&labels).clone(),
+                errors: self.store.errors.get_or_create(&labels).clone(),
+                abandoned: self.store.abandoned.get_or_create(&labels).clone(),
             }
         })
     }

@@ -28,6 +28,25 @@ pub(super) struct Tables<'t> {
     pub(super) dirty: bool,
 }
 
+/// How to answer a change whose outcome is `result`, and the storage error that aborts the
+/// batch, if any.
+fn split<T: Send + 'static>(
+    reply: Reply<T>,
+    result: Result<Result<T, StoreError>, redb::Error>,
+) -> (Done, Option<redb::Error>) {
+    match result {
+        Ok(answer) => (done(reply, answer), None),
+        // Answered with the batch's failure, which this error causes.
+        Err(e) => (
+            Box::new(Settled {
+                reply,
+                answer: None,
+            }),
+            Some(e),
+        ),
+    }
+}
+
 impl Tables<'_> {
     /// Applies one change; returns how to answer it and the storage error that aborts the
     /// batch, if any.
@@ -37,22 +56,6 @@ impl Tables<'_> {
         now: u64,
         swept_all: &mut bool,
     ) -> (Done, Option<redb::Error>) {
-        fn split<T: Send + 'static>(
-            reply: Reply<T>,
-            result: Result<Result<T, StoreError>, redb::Error>,
-        ) -> (Done, Option<redb::Error>) {
-            match result {
-                Ok(answer) => (done(reply, answer), None),
-                // Answered with the batch's failure, which this error causes.
-                Err(e) => (
-                    Box::new(Settled {
-                        reply,
-                        answer: None,
-                    }),
-                    Some(e),
-                ),
-            }
-        }
         match op {
             Op::Claim {
                 key,
@@ -110,16 +113,24 @@ impl Tables<'_> {
             Op::Delete { key, reply } => split(reply, self.delete(&key, now).map(Ok)),
             Op::Get { key, reply } => split(reply, self.get(&key, now)),
             Op::Ping { reply } => (done(reply, Ok(())), None),
-            Op::Sweep { reply } => {
-                let result = self.sweep(now, SWEEP_BATCH);
-                if let Ok(removed) = result {
-                    *swept_all &= removed < SWEEP_BATCH;
-                }
-                match reply {
-                    Some(reply) => split(reply, result.map(Ok)),
-                    None => (Box::new(Unanswered), result.err()),
-                }
-            }
+            Op::Sweep { reply } => self.sweep_op(reply, now, swept_all),
+        }
+    }
+
+    /// A sweep asked for by a caller (`reply`) or by the writer's own tick.
+    fn sweep_op(
+        &mut self,
+        reply: Option<Reply<usize>>,
+        now: u64,
+        swept_all: &mut bool,
+    ) -> (Done, Option<redb::Error>) {
+        let result = self.sweep(now, SWEEP_BATCH);
+        if let Ok(removed) = result {
+            *swept_all &= removed < SWEEP_BATCH;
+        }
+        match reply {
+            Some(reply) => split(reply, result.map(Ok)),
+            None => (Box::new(Unanswered), result.err()),
         }
     }
 

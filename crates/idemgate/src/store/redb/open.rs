@@ -208,17 +208,7 @@ pub(super) fn prepare(
 ) -> Result<Prepared, StoreError> {
     let open_error = open_error(path);
     let txn = db.begin_write().map_err(|e| open_error(e.into()))?;
-    let format = txn
-        .open_table(JOURNAL_STATE)
-        .and_then(|state| Ok(state.get(FORMAT_KEY)?.map(|v| v.value())))
-        .map_err(|e| open_error(e.into()))?;
-    if let Some(found) = format.filter(|&found| found > FORMAT) {
-        return Err(unavailable(RedbError::NewerFormat {
-            path: path.to_path_buf(),
-            found,
-            supported: FORMAT,
-        }));
-    }
+    refuse_a_newer_format(&txn, path)?;
     let migrated = migrate(&txn).map_err(&open_error)?;
     let state = file_state(&txn).map_err(&open_error)?;
     let journal_path = Journal::path_for(path);
@@ -269,13 +259,7 @@ pub(super) fn prepare(
             }
         }
         if let Some(now) = leases_from {
-            let renewed = lease_from(&mut records, now).map_err(&open_error)?;
-            if renewed > 0 {
-                tracing::info!(
-                    renewed,
-                    "redb records found in flight at open lapse a whole lease from now"
-                );
-            }
+            renew_leases(&mut records, now).map_err(&open_error)?;
         }
         // Rows are never numbered twice, even after the last ones were removed.
         found
@@ -289,6 +273,37 @@ pub(super) fn prepare(
         next_row,
         migrated,
     })
+}
+
+/// The file's format, refused if it is newer than this build's.
+fn refuse_a_newer_format(txn: &redb::WriteTransaction, path: &Path) -> Result<(), StoreError> {
+    let format = txn
+        .open_table(JOURNAL_STATE)
+        .and_then(|state| Ok(state.get(FORMAT_KEY)?.map(|v| v.value())))
+        .map_err(|e| open_error(path)(e.into()))?;
+    match format.filter(|&found| found > FORMAT) {
+        Some(found) => Err(unavailable(RedbError::NewerFormat {
+            path: path.to_path_buf(),
+            found,
+            supported: FORMAT,
+        })),
+        None => Ok(()),
+    }
+}
+
+/// Gives every record in flight a whole lease from `now` (their owners' process is gone).
+fn renew_leases(
+    records: &mut redb::Table<'_, u64, &'static [u8]>,
+    now: u64,
+) -> Result<(), redb::Error> {
+    let renewed = lease_from(records, now)?;
+    if renewed > 0 {
+        tracing::info!(
+            renewed,
+            "redb records found in flight at open lapse a whole lease from now"
+        );
+    }
+    Ok(())
 }
 
 /// What the last checkpoint recorded of the file, to tell at open whether anything else

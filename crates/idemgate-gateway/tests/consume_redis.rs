@@ -1,6 +1,8 @@
 //! `idemgate consume` end to end: the real binary reading a real Redis stream and delivering
 //! to a handler on 127.0.0.1 that counts how many times each event ran.
 
+#[path = "support/promtool.rs"]
+mod promtool;
 #[path = "support/consume.rs"]
 mod support;
 
@@ -137,7 +139,7 @@ async fn producer_duplicates_run_the_handler_once_per_event() {
     // A duplicate read beside its event waited for it in the consumer rather than meet it
     // in flight in the store.
     assert_eq!(requests("in_flight"), 0.0);
-    support::promtool_accepts(&text);
+    promtool::accepts(&text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -255,7 +257,7 @@ async fn a_handler_that_always_fails_gets_the_message_dead_lettered_after_max_at
     let text = support::metrics_once(&consumer, &dead, 1.0).await;
     assert_eq!(metric(&text, &dead), Some(1.0), "{text}");
     assert_eq!(metric(&text, &retries), Some(2.0), "{text}");
-    support::promtool_accepts(&text);
+    promtool::accepts(&text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

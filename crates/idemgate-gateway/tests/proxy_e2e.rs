@@ -1,5 +1,7 @@
 //! End to end: the real `idemgate` binary in front of a real upstream on 127.0.0.1.
 
+#[path = "support/promtool.rs"]
+mod promtool;
 #[path = "support/proxy.rs"]
 mod support;
 
@@ -1647,30 +1649,6 @@ async fn a_body_with_a_transfer_coding_other_than_chunked_gets_a_501_problem() {
 
 // ---- operating it -------------------------------------------------------------------------
 
-/// Asserts that Prometheus' own checker (`promtool check metrics`, from Debian's `prometheus`
-/// package, which `.ci/install-deps` installs) parses `exposition` and finds nothing to lint.
-fn promtool_accepts(exposition: &str) {
-    use std::io::Write as _;
-    use std::process::{Command, Stdio};
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool is not installed: run .ci/install-deps");
-    let mut stdin = promtool.stdin.take().expect("piped stdin");
-    stdin.write_all(exposition.as_bytes()).unwrap();
-    drop(stdin);
-    let output = promtool.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stdout) + String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {:?}\n{said}\n{exposition}",
-        output.status
-    );
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn admin_health_readiness_metrics_and_token() {
     let s = setup().await;
@@ -1699,7 +1677,7 @@ async fn admin_health_readiness_metrics_and_token() {
         m.headers["content-type"],
         "text/plain; version=0.0.4; charset=utf-8"
     );
-    promtool_accepts(&text);
+    promtool::accepts(&text);
     // Record endpoints: a token is required and checked.
     let none = admin_get(&s.gw, "/keys?route=default&key=k-m", &[]).await;
     assert_eq!(none.status, 401);

@@ -463,29 +463,6 @@ pub(crate) async fn entries(
     items.into_iter().map(|(_, fields)| fields).collect()
 }
 
-/// Asserts that Prometheus' own checker (`promtool check metrics`, which `.ci/install-deps`
-/// installs) parses `exposition` and finds nothing to lint.
-pub(crate) fn promtool_accepts(exposition: &str) {
-    use std::io::Write as _;
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool is not installed: run .ci/install-deps");
-    let mut stdin = promtool.stdin.take().expect("piped stdin");
-    stdin.write_all(exposition.as_bytes()).unwrap();
-    drop(stdin);
-    let output = promtool.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stdout) + String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {:?}\n{said}\n{exposition}",
-        output.status
-    );
-}
-
 /// The consumer's `/metrics` once `series` reads `value` (its counters move just after each
 /// acknowledgement), or as it is after 5 s.
 pub(crate) async fn metrics_once(consumer: &Consumer, series: &str, value: f64) -> String {

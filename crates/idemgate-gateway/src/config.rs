@@ -1165,7 +1165,19 @@ impl RouteFile {
                 format!("{name:?} is not a route name; expected 1–64 visible ASCII characters"),
             ));
         }
-        let mut policy = base.name(name);
+        let policy = self.with_own_keys(field, base.name(name), defaults, provider_route)?;
+        Ok(RouteSettings { prefix, policy })
+    }
+
+    /// `policy` with each of the route's own keys that the file sets laid over it.
+    fn with_own_keys(
+        &self,
+        field: &str,
+        mut policy: RoutePolicy,
+        defaults: &RouteDefaults,
+        provider_route: bool,
+    ) -> Result<RoutePolicy, ConfigError> {
+        let f = |name: &str| format!("{field}.{name}");
         if let Some(key) = self.key_source(field)? {
             policy = policy.key(key);
         }
@@ -1211,7 +1223,7 @@ impl RouteFile {
         if let Some(keep) = self.store_set_cookie {
             policy = policy.store_set_cookie(keep);
         }
-        Ok(RouteSettings { prefix, policy })
+        Ok(policy)
     }
 
     /// Whether the file sets the provider key `key` on this route.

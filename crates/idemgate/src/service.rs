@@ -276,13 +276,7 @@ where
             let problem = Problem::invalid_signature(&why);
             return early(problem, Decision::SignatureRejected, &route);
         }
-        let found = match (header_key, &policy.key) {
-            (Some(key), _) => Ok(Some(key)),
-            (None, KeySource::JsonPointer(pointer)) => key::from_json_body(&body, pointer),
-            // Left for here by `call` on a route that verifies its sender.
-            (None, KeySource::Header(name)) => key::from_header(&parts.headers, name),
-        };
-        let key = match found {
+        let key = match key_of(header_key, &policy.key, &parts.headers, &body) {
             Ok(Some(key)) => key,
             Ok(None) if policy.require_key => {
                 let problem = Problem::missing_key(&policy.key);
@@ -318,6 +312,22 @@ where
         };
         let claim = keyed.claim().await;
         keyed.answer(claim, inner, parts, body)
+    }
+}
+
+/// The request's key: the one `call` read from its header, or else the one its route's key
+/// source finds in the body or (on a route that verifies its sender, where `call` left it for
+/// after the check) in the header.
+fn key_of(
+    header_key: Option<String>,
+    source: &KeySource,
+    headers: &http::HeaderMap,
+    body: &Bytes,
+) -> Result<Option<String>, key::KeyError> {
+    match (header_key, source) {
+        (Some(key), _) => Ok(Some(key)),
+        (None, KeySource::JsonPointer(pointer)) => key::from_json_body(body, pointer),
+        (None, KeySource::Header(name)) => key::from_header(headers, name),
     }
 }
 

@@ -75,6 +75,16 @@ async fn dead_letters(
     entries(conn, &format!("{STREAM}.dead")).await
 }
 
+/// Asserts that every entry of the test stream settles within 20 s, showing `consumer`'s logs
+/// if not.
+async fn settles(conn: &mut redis::aio::MultiplexedConnection, consumer: &Consumer) {
+    assert!(
+        wait_settled(conn, STREAM, GROUP, Duration::from_secs(20)).await,
+        "{}",
+        consumer.logs()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producer_duplicates_run_the_handler_once_per_event() {
     let server = RedisServer::start();
@@ -161,11 +171,7 @@ async fn a_webhook_and_the_same_event_off_the_queue_run_once_between_them() {
     produce_event(&mut conn, STREAM, "w1").await;
     // Off the queue first, then by webhook: answered from the consumer's record.
     produce_event(&mut conn, STREAM, "q1").await;
-    assert!(
-        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
-        "{}",
-        consumer.logs()
-    );
+    settles(&mut conn, &consumer).await;
     assert_eq!(proxy.post("/handle", "q1", &body("q1")).await, (200, true));
     assert_eq!(
         handler.runs_of("w1"),
@@ -199,11 +205,7 @@ async fn a_handler_that_fails_then_succeeds_is_retried_and_settled() {
     let dir = TempDir::new();
     let config = config(&dir, "");
     let consumer = consumer(&config, &server, "", "memory", &handler, &[]);
-    assert!(
-        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
-        "{}",
-        consumer.logs()
-    );
+    settles(&mut conn, &consumer).await;
     for i in 0..5 {
         assert_eq!(
             handler.runs_of(&format!("e{i}")),
@@ -230,11 +232,7 @@ async fn a_handler_that_always_fails_gets_the_message_dead_lettered_after_max_at
         &handler,
         &["--max-attempts", "3"],
     );
-    assert!(
-        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
-        "{}",
-        consumer.logs()
-    );
+    settles(&mut conn, &consumer).await;
     assert_eq!(handler.runs_of("doomed"), 3, "tried max_attempts times");
     let dead = dead_letters(&mut conn).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
@@ -285,14 +283,10 @@ async fn a_handler_that_hangs_past_the_upstream_timeout_is_ambiguous_and_never_r
         // Plenty of tries: an ambiguous outcome must not use any of them.
         &["--max-attempts", "10"],
     );
-    assert!(
-        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
-        "{}",
-        consumer.logs()
-    );
+    settles(&mut conn, &consumer).await;
     // The producer sends it again: the record is ambiguous, so it is not run again either.
     produce_event(&mut conn, STREAM, "slow").await;
-    assert!(wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await);
+    settles(&mut conn, &consumer).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         handler.runs_of("slow"),
@@ -320,11 +314,7 @@ async fn a_message_without_its_key_field_is_dead_lettered_with_the_reason() {
     let dir = TempDir::new();
     let config = config(&dir, "");
     let consumer = consumer(&config, &server, "", "memory", &handler, &[]);
-    assert!(
-        wait_settled(&mut conn, STREAM, GROUP, Duration::from_secs(20)).await,
-        "{}",
-        consumer.logs()
-    );
+    settles(&mut conn, &consumer).await;
     assert_eq!(handler.runs(), HashMap::from([("keyed".to_owned(), 1)]));
     let dead = dead_letters(&mut conn).await;
     assert_eq!(dead.len(), 1, "{dead:?}");

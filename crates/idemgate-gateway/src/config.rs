@@ -120,7 +120,7 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         Self::Invalid {
             field: field.into(),
             message: message.into(),

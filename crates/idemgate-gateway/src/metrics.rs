@@ -264,7 +264,7 @@ impl Metrics {
         Self::with_routes_and(routes, |_| {})
     }
 
-    /// [`Metrics::with_routes`], with the series `more` registers rendered after the
+    /// [`Metrics::with_routes`], with the series `more` registers rendered before the
     /// gateway's own (the consumer's per-source series, say).
     pub fn with_routes_and<'a>(
         routes: impl IntoIterator<Item = &'a str>,

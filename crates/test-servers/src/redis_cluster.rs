@@ -323,28 +323,20 @@ impl RedisCluster {
                 .stderr(Stdio::null())
                 .spawn();
             let mut child = match child {
-                Ok(child) => child,
+                Ok(child) => Some(child),
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     panic!("redis-server is not on PATH: run .ci/install-deps")
                 }
                 Err(e) => panic!("cannot run redis-server: {e}"),
             };
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
-            let deadline = Instant::now() + READY_WITHIN;
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if answers_ping(addr) {
-                    return Node {
-                        port,
-                        child: Some(child),
-                    };
-                }
-                std::thread::sleep(Duration::from_millis(10));
+            if crate::wait_until_ready(&mut child, READY_WITHIN, || answers_ping(addr)) {
+                return Node { port, child };
             }
-            let _ = child.kill();
-            let _ = child.wait();
+            if let Some(mut child) = child {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
         }
         panic!(
             "redis-server (cluster node) did not start; logs in {}",

@@ -300,7 +300,7 @@ impl ConsumeSettings {
             tables.push(("--source".to_owned(), source));
         }
         if tables.is_empty() {
-            return Err(invalid(
+            return Err(ConfigError::invalid(
                 "sources",
                 "no source to consume: give --source redis-stream://HOST:PORT/STREAM?group=GROUP or a [[sources]] table",
             ));
@@ -319,13 +319,6 @@ impl ConsumeSettings {
     }
 }
 
-fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
 /// `sources[i]` read into a [`SourceFile`], naming the field that is wrong.
 fn read_table(i: usize, table: toml::Table) -> Result<SourceFile, ConfigError> {
     serde_path_to_error::deserialize(table).map_err(|error| {
@@ -335,7 +328,7 @@ fn read_table(i: usize, table: toml::Table) -> Result<SourceFile, ConfigError> {
         } else {
             format!("sources[{i}].{at}")
         };
-        invalid(field, error.into_inner().message().to_owned())
+        ConfigError::invalid(field, error.into_inner().message().to_owned())
     })
 }
 
@@ -351,40 +344,44 @@ fn validate_source(
             format!("{field}.{key}")
         }
     };
-    let url = source
-        .url
-        .as_deref()
-        .ok_or_else(|| invalid(name("url"), format!("required; expected {STREAM_FORM}")))?;
-    let stream = StreamSpec::parse(url).map_err(|m| invalid(field_or(field, &name("url")), m))?;
+    let url = source.url.as_deref().ok_or_else(|| {
+        ConfigError::invalid(name("url"), format!("required; expected {STREAM_FORM}"))
+    })?;
+    let stream = StreamSpec::parse(url)
+        .map_err(|m| ConfigError::invalid(field_or(field, &name("url")), m))?;
     let key_field = source.key_field.as_deref().ok_or_else(|| {
-        invalid(
+        ConfigError::invalid(
             name("key_field"),
             "required: the field holding each message's own id (e.g. event_id, or payload:/id for a JSON pointer into the field payload)",
         )
     })?;
-    let key_field = KeyField::parse(key_field).map_err(|m| invalid(name("key_field"), m))?;
+    let key_field =
+        KeyField::parse(key_field).map_err(|m| ConfigError::invalid(name("key_field"), m))?;
     let upstream = match &source.upstream {
-        Some(url) => Upstream::parse(url).map_err(|m| invalid(name("upstream"), m))?,
+        Some(url) => Upstream::parse(url).map_err(|m| ConfigError::invalid(name("upstream"), m))?,
         None => gateway.upstream.clone(),
     };
     let max_in_flight = source.max_in_flight.unwrap_or(DEFAULT_MAX_IN_FLIGHT);
     if !(1..=MAX_MAX_IN_FLIGHT).contains(&max_in_flight) {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             name("max_in_flight"),
             format!("{max_in_flight} is out of range; expected 1 to {MAX_MAX_IN_FLIGHT}"),
         ));
     }
     let max_attempts = source.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
     if max_attempts == 0 {
-        return Err(invalid(name("max_attempts"), "must be at least 1"));
+        return Err(ConfigError::invalid(
+            name("max_attempts"),
+            "must be at least 1",
+        ));
     }
     let duration = |key: &str, value: &Option<String>| {
         value
             .as_deref()
             .map(|v| match parse_duration(v) {
                 Ok(d) if !d.is_zero() => Ok(d),
-                Ok(_) => Err(invalid(name(key), "must be longer than zero")),
-                Err(m) => Err(invalid(name(key), m)),
+                Ok(_) => Err(ConfigError::invalid(name(key), "must be longer than zero")),
+                Err(m) => Err(ConfigError::invalid(name(key), m)),
             })
             .transpose()
     };
@@ -392,9 +389,11 @@ fn validate_source(
         duration("retry_backoff", &source.retry_backoff)?.unwrap_or(DEFAULT_RETRY_BACKOFF);
     let claim_idle = duration("claim_idle", &source.claim_idle)?;
     let dead_letter_stream = match &source.dead_letter_stream {
-        Some(s) if s.is_empty() => return Err(invalid(name("dead_letter_stream"), "empty")),
+        Some(s) if s.is_empty() => {
+            return Err(ConfigError::invalid(name("dead_letter_stream"), "empty"));
+        }
         Some(s) if *s == stream.stream => {
-            return Err(invalid(
+            return Err(ConfigError::invalid(
                 name("dead_letter_stream"),
                 "is the stream the source reads; dead letters need a stream of their own",
             ));

@@ -155,11 +155,6 @@ impl Deliverer {
         }
     }
 
-    /// The route the handler's path falls on.
-    pub fn policy(&self) -> &RoutePolicy {
-        &self.policy
-    }
-
     /// Tries `message` once.
     pub async fn deliver(&self, message: &Message) -> Verdict {
         let Ok(key) = HeaderValue::try_from(message.key.as_str()) else {

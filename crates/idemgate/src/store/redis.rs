@@ -244,8 +244,9 @@ impl Persistence {
 /// `min-replicas-to-write` on the server makes a primary that has lost its replicas refuse
 /// writes. Neither makes a failover lossless: the promoted replica may still be one that
 /// had not received the write, and a completed response is not waited for (its claim,
-/// replicated, then lapses under the route's unknown-outcome rule rather than run again). Where a second execution is unacceptable, the upstream should also deduplicate on
-/// the `Idempotency-Key` header, which idemgate always forwards.
+/// replicated, then lapses under the route's unknown-outcome rule rather than run again).
+/// Where a second execution is unacceptable, the upstream should also deduplicate on the
+/// `Idempotency-Key` header, which idemgate always forwards.
 ///
 /// # Connections and timeouts
 ///

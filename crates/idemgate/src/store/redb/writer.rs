@@ -449,8 +449,9 @@ impl Writer {
             can_start && (close || self.checkpointed_at.elapsed() >= CHECKPOINT_EVERY);
         // The transaction holds changes exactly when the journal has frames. A batch that
         // changed nothing commits only to checkpoint frames a second old: the idle writer's
-        // sweep ticks do that, so no change lives in the journal alone for long.
-        let idle_checkpoint = checkpoint_due && journal.has_frames();
+        // sweep ticks do that, so no change lives in the journal alone for long. The close
+        // always commits, so the file it leaves records the older format.
+        let idle_checkpoint = checkpoint_due && (close || journal.has_frames());
         if !dirty && !idle_checkpoint {
             return Ok(false);
         }

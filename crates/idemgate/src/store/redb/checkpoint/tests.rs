@@ -250,3 +250,21 @@ fn a_slow_checkpoint_holds_the_writer_once_its_overlay_is_full() {
         &[started.0, next.0],
     );
 }
+
+/// A store closed with nothing in its journal (opened and closed with no change, or idle
+/// since its last checkpoint) also leaves the older format: a downgrade after any clean stop
+/// opens the file.
+#[test]
+fn a_clean_close_without_frames_leaves_the_older_format() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/idle-close/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    assert_eq!(format(&writer), FORMAT);
+    assert!(!writer.journal.as_ref().unwrap().has_frames());
+    writer.checkpoint_on_close();
+    assert_eq!(
+        format(&writer),
+        FORMAT_SETTLED,
+        "a clean close leaves the older format"
+    );
+}

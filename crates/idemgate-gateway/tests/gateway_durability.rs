@@ -3,6 +3,9 @@
 //! surviving `kill -9` of the gateway. Every process here (gateways, `redis-server`) is
 //! started by the test and killed by its own pid when dropped.
 
+// Each test needs its store's feature; a build without one leaves some helpers unused.
+#![cfg_attr(not(all(feature = "redis", feature = "redb")), allow(unused_imports))]
+
 #[path = "support/shared_store.rs"]
 mod shared_store;
 #[path = "support/proxy.rs"]

@@ -309,6 +309,8 @@ impl RedbStore {
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
+            #[cfg(test)]
+            fail_checkpoint_start: None,
             answers: Arc::clone(&answers),
             txn: None,
             running: None,

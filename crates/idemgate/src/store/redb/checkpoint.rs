@@ -105,6 +105,8 @@ impl Writer {
             return Err(redb::Error::PreviousIo);
         };
         let started = Instant::now();
+        #[cfg(test)]
+        injected(&mut self.fail_checkpoint_start, FailStart::BeforeCommit)?;
         record_checkpoint(&txn, journal.last(), self.rows.next, FORMAT)?;
         txn.set_durability(Durability::None)?;
         txn.commit()?;
@@ -113,6 +115,8 @@ impl Writer {
             "redb checkpoint: the second's transaction committed, its sync begins"
         );
         journal.begin_checkpoint();
+        #[cfg(test)]
+        injected(&mut self.fail_checkpoint_start, FailStart::AfterCommit)?;
         let base = db.begin_read()?.open_table(RECORDS)?;
         self.running = Some(RunningCheckpoint {
             commit: DurableCommit::start(db),
@@ -176,6 +180,27 @@ impl Writer {
             let _ = running.commit.join();
         }
     }
+}
+
+/// Where a test makes a checkpoint fail to begin: before its commit without a sync, or after
+/// it (the journal has moved to its other file).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FailStart {
+    BeforeCommit,
+    AfterCommit,
+}
+
+/// Fails once at `step` if the test asked for it there.
+#[cfg(test)]
+fn injected(hook: &mut Option<FailStart>, step: FailStart) -> Result<(), redb::Error> {
+    if *hook != Some(step) {
+        return Ok(());
+    }
+    *hook = None;
+    Err(redb::Error::Io(std::io::Error::other(
+        "injected checkpoint failure",
+    )))
 }
 
 #[cfg(test)]

@@ -198,6 +198,7 @@ pub(super) fn test_writer(
 ) -> Writer {
     Writer {
         commits: Arc::default(),
+        fail_checkpoint_start: None,
         answers: Arc::new(AnswerQueue::new()),
         txn: None,
         running: None,

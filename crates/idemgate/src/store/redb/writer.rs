@@ -50,6 +50,9 @@ pub(super) const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 pub(super) struct Writer {
     #[cfg(test)]
     pub(super) commits: Arc<std::sync::atomic::AtomicU64>,
+    /// Where a test makes the next checkpoint fail to begin.
+    #[cfg(test)]
+    pub(super) fail_checkpoint_start: Option<super::checkpoint::FailStart>,
     /// Where each batch's answers go once it is committed (or failed).
     pub(super) answers: Arc<AnswerQueue<Done>>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
@@ -202,7 +205,9 @@ impl Writer {
         let result = self.transact(&mut ops, &mut dones, now, Checkpoint::WhenDue);
         let failure = match result {
             Ok(committed) => {
-                if committed {
+                // A batch kept while its checkpoint failed leaves the file poisoned: the
+                // wait before the reopen goes on doubling.
+                if committed && self.poisoned.is_none() {
                     self.reopen_wait = REOPEN_FIRST;
                 }
                 self.unsettled.clear();
@@ -375,9 +380,10 @@ impl Writer {
     /// Applies one batch to the open write transaction (or above a running checkpoint) and
     /// makes it durable by its journal frame, then begins a checkpoint if one is due; with
     /// [`Checkpoint::Now`], commits it durably instead. `Ok(true)` if the batch changed
-    /// anything (or checkpointed). The error's flag says whether the file is poisoned: every
-    /// failure once the transaction holds changes is, since those changes can come back only
-    /// from the journal, at the reopen.
+    /// anything (or checkpointed); a checkpoint that failed to begin after it poisons the file
+    /// but leaves the batch's answers as they are. The error's flag says whether the file is
+    /// poisoned: every failure once the transaction holds changes is, since those changes can
+    /// come back only from the journal, at the reopen.
     pub(super) fn transact(
         &mut self,
         ops: &mut impl Iterator<Item = Op>,
@@ -475,7 +481,11 @@ impl Writer {
         }
         if checkpoint_due || (can_start && journal.size_with_pending() > CHECKPOINT_AT) {
             tracing::trace!("redb checkpoint begins");
-            self.start_checkpoint()?;
+            // The batch is durable in the journal, which the reopen applies: a checkpoint that
+            // cannot begin fails the file, not the batch.
+            if let Err(e) = self.start_checkpoint() {
+                self.poison(Arc::new(e));
+            }
         }
         Ok(true)
     }

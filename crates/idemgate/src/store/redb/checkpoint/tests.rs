@@ -11,6 +11,7 @@ use super::super::ops::Op;
 use super::super::sim_disk::{SimDisk, SyncHold};
 use super::super::tests::{assert_in_flight, charge, claim_op, run_one, writer_on};
 use super::super::writer::{CHECKPOINT_EVERY, Writer};
+use super::FailStart;
 use crate::record::{Completion, OwnerToken, Record, RecordKey, StoredResponse};
 use crate::store::{Claim, Transition};
 
@@ -267,4 +268,40 @@ fn a_clean_close_without_frames_leaves_the_older_format() {
         FORMAT_SETTLED,
         "a clean close leaves the older format"
     );
+}
+
+/// A checkpoint that cannot begin after the batch's frame is synced (its commit without a sync
+/// fails, or what comes after it) poisons the file, but the batch is durable in the journal:
+/// its callers get what it did, the read view answers from it, and the reopen and a power cut
+/// after it keep it.
+#[test]
+fn a_checkpoint_that_cannot_begin_fails_the_file_not_the_batch() {
+    for step in [FailStart::BeforeCommit, FailStart::AfterCommit] {
+        let disk = SimDisk::default();
+        let path = PathBuf::from(format!("/sim/checkpoint-start-{step:?}/records.redb"));
+        let mut writer = writer_on(&disk, &path);
+        let before = acquire(&mut writer, "before");
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        writer.fail_checkpoint_start = Some(step);
+        let kept = acquire(&mut writer, "begins it");
+        assert!(writer.poisoned.is_some(), "{step:?}: the file is poisoned");
+        assert!(writer.unsettled.is_empty(), "{step:?}: no claim to undo");
+
+        // Until the reopen, the read view has the batch.
+        let later = Instant::now() + Duration::from_secs(3600);
+        writer.poisoned.as_mut().unwrap().retry_at = later;
+        let other = run_one(&mut writer, claim_op(kept.0, OwnerToken::generate()));
+        assert!(matches!(other, Ok(Claim::InFlight { .. })), "{other:?}");
+
+        writer.poisoned.as_mut().unwrap().retry_at = Instant::now();
+        let after = acquire(&mut writer, "after");
+        assert!(writer.poisoned.is_none(), "{step:?}: reopened");
+        let held = [before.0, kept.0, after.0];
+        assert_in_flight(&mut writer, &held);
+
+        disk.power_cut();
+        drop(writer);
+        let mut writer = writer_on(&disk, &path);
+        assert_in_flight(&mut writer, &held);
+    }
 }

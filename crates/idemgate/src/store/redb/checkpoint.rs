@@ -121,7 +121,7 @@ impl Writer {
         self.running = Some(RunningCheckpoint {
             commit: DurableCommit::start(db),
             base,
-            overlay: Overlay::default(),
+            overlay: Overlay::new(self.rows.next),
         });
         self.checkpointed_at = Instant::now();
         Ok(())

@@ -10,7 +10,7 @@ use redb::{Database, Durability};
 use tokio::sync::{mpsc, oneshot};
 
 use super::apply::Tables;
-use super::checkpoint::RunningCheckpoint;
+use super::checkpoint::{RunningCheckpoint, SyncThread};
 use super::claim::ReadView;
 use super::clock::Clock;
 use super::codec::RECORDS;
@@ -53,6 +53,9 @@ pub(super) struct Writer {
     /// Where a test makes the next checkpoint fail to begin.
     #[cfg(test)]
     pub(super) fail_checkpoint_start: Option<super::checkpoint::FailStart>,
+    /// How many threads the checkpoints' durable commits started.
+    #[cfg(test)]
+    pub(super) sync_threads: usize,
     /// Where each batch's answers go once it is committed (or failed).
     pub(super) answers: Arc<AnswerQueue<Done>>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
@@ -65,7 +68,9 @@ pub(super) struct Writer {
     /// The checkpoint whose sync is running, with the rows changed since it began; ended
     /// (waited for) before the file is closed.
     pub(super) running: Option<RunningCheckpoint>,
-    /// The open file, shared with the running checkpoint's thread; `None` only while
+    /// The thread that runs the open file's durable commits; dropped (ended) with the file.
+    pub(super) sync_thread: Option<SyncThread>,
+    /// The open file, lent to the sync thread for each durable commit; `None` only while
     /// [`Writer::poisoned`] is set and neither reopening it nor opening a read view of it
     /// succeeded.
     pub(super) db: Option<Arc<Database>>,
@@ -267,6 +272,8 @@ impl Writer {
     /// opened again (which reads what the disk holds: see `open_database`).
     pub(super) fn close(&mut self) {
         self.abandon_checkpoint();
+        // A new file gets a new thread, so one that panicked is not kept.
+        self.sync_thread = None;
         self.txn = None;
         self.db = None;
         self.journal = None;

@@ -309,9 +309,14 @@ impl RedbStore {
         let writer = Writer {
             #[cfg(test)]
             commits: Arc::clone(&commits),
+            #[cfg(test)]
+            fail_checkpoint_start: None,
+            #[cfg(test)]
+            sync_threads: 0,
             answers: Arc::clone(&answers),
             txn: None,
             running: None,
+            sync_thread: None,
             db: Some(Arc::new(db)),
             journal: Some(journal),
             checkpointed_at: Instant::now(),

@@ -5,8 +5,8 @@
 //! the benchmark's disk; a writer that waited for it held every call queued behind it that
 //! long. So a checkpoint is two commits. The writer commits its open transaction without a
 //! sync (redb keeps its pages in memory, readable at once), with the checkpoint's marks, and
-//! hands the sync to a thread: a durable commit of an empty transaction makes that state
-//! durable. Meanwhile the writer reads the table as the checkpoint leaves it, keeps the rows
+//! hands the sync to the file's sync thread (one for as long as the file is open): a durable
+//! commit of an empty transaction makes that state durable. Meanwhile the writer reads the table as the checkpoint leaves it, keeps the rows
 //! its batches change in an [`Overlay`] above it, and journals each batch as ever (to the
 //! journal's other file, see [`journal`](super::journal)), so an answer is durable and exactly
 //! what it would have been. Once the sync returns, the overlay is written to the next write
@@ -17,7 +17,8 @@
 //! it before taking the next batch: callers then wait for room in the queue, and memory stays
 //! bounded.
 
-use std::sync::Arc;
+use std::io;
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -40,42 +41,95 @@ pub(super) struct RunningCheckpoint {
     pub(super) overlay: Overlay,
 }
 
-/// The checkpoint's durable commit: on its thread, or done already where no thread could be
-/// started.
+/// The thread that runs a file's durable commits, one at a time, started at its first
+/// checkpoint and ended when the file is closed (its sender dropped, then joined).
+pub(super) struct SyncThread {
+    requests: Option<mpsc::Sender<SyncRequest>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A file to commit durably, and where the result goes.
+type SyncRequest = (Arc<Database>, mpsc::SyncSender<Result<(), redb::Error>>);
+
+impl SyncThread {
+    /// Starts a thread that runs `commit` for each request.
+    pub(super) fn start(commit: fn(&Database) -> Result<(), redb::Error>) -> io::Result<Self> {
+        let (requests, queue) = mpsc::channel::<SyncRequest>();
+        let thread = std::thread::Builder::new()
+            .name("idemgate-redb-checkpoint".into())
+            .spawn(move || {
+                for (db, reply) in queue {
+                    let result = commit(&db);
+                    // Not held between checkpoints, so the file closes with the writer's handle.
+                    drop(db);
+                    let _ = reply.send(result);
+                }
+            })?;
+        Ok(Self {
+            requests: Some(requests),
+            thread: Some(thread),
+        })
+    }
+
+    /// Hands the durable commit of `db` to the thread.
+    fn request(&self, db: Arc<Database>) -> DurableCommit {
+        let (reply, result) = mpsc::sync_channel(1);
+        let sent = self
+            .requests
+            .as_ref()
+            .map(|requests| requests.send((db, reply)));
+        match sent {
+            Some(Ok(())) => DurableCommit::Sent(result),
+            _ => DurableCommit::Done(Err(sync_thread_gone())),
+        }
+    }
+}
+
+impl Drop for SyncThread {
+    /// Without its sender the thread's loop ends; it holds no file while idle.
+    fn drop(&mut self) {
+        self.requests = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The error of a durable commit whose thread is gone (it panicked).
+fn sync_thread_gone() -> redb::Error {
+    redb::Error::Io(io::Error::other(
+        "the checkpoint thread ended without syncing",
+    ))
+}
+
+/// The checkpoint's durable commit: on the sync thread, or done already where no thread could
+/// be started.
 enum DurableCommit {
-    Running(JoinHandle<Result<(), redb::Error>>),
+    /// Handed to the sync thread, whose result comes on this channel.
+    Sent(mpsc::Receiver<Result<(), redb::Error>>),
     Done(Result<(), redb::Error>),
 }
 
 impl DurableCommit {
-    fn start(db: &Arc<Database>) -> Self {
-        let thread = std::thread::Builder::new()
-            .name("idemgate-redb-checkpoint".into())
-            .spawn({
-                let db = Arc::clone(db);
-                move || commit_durably(&db)
-            });
-        match thread {
-            Ok(thread) => DurableCommit::Running(thread),
-            // Without a thread the writer waits for the sync, as every checkpoint once did.
-            Err(_) => DurableCommit::Done(commit_durably(db)),
-        }
-    }
-
-    fn is_finished(&self) -> bool {
-        match self {
-            DurableCommit::Running(thread) => thread.is_finished(),
-            DurableCommit::Done(_) => true,
-        }
+    /// Whether the commit has ended, without waiting for it.
+    fn is_finished(&mut self) -> bool {
+        let DurableCommit::Sent(result) = self else {
+            return true;
+        };
+        let result = match result.try_recv() {
+            Ok(result) => result,
+            Err(mpsc::TryRecvError::Empty) => return false,
+            Err(mpsc::TryRecvError::Disconnected) => Err(sync_thread_gone()),
+        };
+        *self = DurableCommit::Done(result);
+        true
     }
 
     fn join(self) -> Result<(), redb::Error> {
         match self {
-            DurableCommit::Running(thread) => thread.join().unwrap_or_else(|_| {
-                Err(redb::Error::Io(std::io::Error::other(
-                    "the checkpoint thread panicked",
-                )))
-            }),
+            DurableCommit::Sent(result) => {
+                result.recv().unwrap_or_else(|_| Err(sync_thread_gone()))
+            }
             DurableCommit::Done(result) => result,
         }
     }
@@ -105,6 +159,8 @@ impl Writer {
             return Err(redb::Error::PreviousIo);
         };
         let started = Instant::now();
+        #[cfg(test)]
+        injected(&mut self.fail_checkpoint_start, FailStart::BeforeCommit)?;
         record_checkpoint(&txn, journal.last(), self.rows.next, FORMAT)?;
         txn.set_durability(Durability::None)?;
         txn.commit()?;
@@ -113,21 +169,49 @@ impl Writer {
             "redb checkpoint: the second's transaction committed, its sync begins"
         );
         journal.begin_checkpoint();
+        #[cfg(test)]
+        injected(&mut self.fail_checkpoint_start, FailStart::AfterCommit)?;
         let base = db.begin_read()?.open_table(RECORDS)?;
+        let db = Arc::clone(db);
         self.running = Some(RunningCheckpoint {
-            commit: DurableCommit::start(db),
+            commit: self.begin_durable_commit(db),
             base,
-            overlay: Overlay::default(),
+            overlay: Overlay::new(self.rows.next),
         });
         self.checkpointed_at = Instant::now();
         Ok(())
+    }
+
+    /// Hands the durable commit of `db` to the file's sync thread, started at its first
+    /// checkpoint; without one, commits here.
+    fn begin_durable_commit(&mut self, db: Arc<Database>) -> DurableCommit {
+        if self.sync_thread.is_none() {
+            match SyncThread::start(commit_durably) {
+                Ok(thread) => {
+                    #[cfg(test)]
+                    {
+                        self.sync_threads += 1;
+                    }
+                    self.sync_thread = Some(thread);
+                }
+                Err(e) => tracing::warn!(
+                    path = %self.path.display(),
+                    error = %e,
+                    "redb checkpoint thread could not be started: the writer waits for the sync"
+                ),
+            }
+        }
+        match &self.sync_thread {
+            Some(thread) => thread.request(db),
+            None => DurableCommit::Done(commit_durably(&db)),
+        }
     }
 
     /// Ends the running checkpoint if its sync has returned, or waits for it with `wait` or
     /// once its overlay has reached [`OVERLAY_MAX`]: the overlay goes to a new write
     /// transaction, or, if the checkpoint failed, the file is poisoned.
     pub(super) fn settle_checkpoint(&mut self, wait: bool) {
-        let Some(running) = &self.running else {
+        let Some(running) = &mut self.running else {
             return;
         };
         let full = running.overlay.bytes() > OVERLAY_MAX;
@@ -176,6 +260,27 @@ impl Writer {
             let _ = running.commit.join();
         }
     }
+}
+
+/// Where a test makes a checkpoint fail to begin: before its commit without a sync, or after
+/// it (the journal has moved to its other file).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FailStart {
+    BeforeCommit,
+    AfterCommit,
+}
+
+/// Fails once at `step` if the test asked for it there.
+#[cfg(test)]
+fn injected(hook: &mut Option<FailStart>, step: FailStart) -> Result<(), redb::Error> {
+    if *hook != Some(step) {
+        return Ok(());
+    }
+    *hook = None;
+    Err(redb::Error::Io(std::io::Error::other(
+        "injected checkpoint failure",
+    )))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! checkpoint is over.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use redb::{AccessGuard, ReadOnlyTable, ReadableTable, Table};
 
@@ -21,21 +22,35 @@ pub(super) type RecordsTable<'t> = Table<'t, u64, &'static [u8]>;
 pub(super) type RecordsView = ReadOnlyTable<u64, &'static [u8]>;
 
 /// Memory an overlay entry costs beyond its value: the map's node share, the row number and
-/// the value's own header.
+/// the value's place.
 const ENTRY_COST: usize = 64;
 
-/// The rows changed since a checkpoint began: each row's value, or `None` if it was removed.
-#[derive(Default)]
+/// The rows changed since a checkpoint began: each row's value, or `None` if a row of the
+/// checkpoint's was removed.
 pub(super) struct Overlay {
-    changes: BTreeMap<u64, Option<Vec<u8>>>,
-    /// About how much memory the changes hold, to bound it.
-    bytes: usize,
+    /// Each changed row's value, as its range in `values`.
+    changes: BTreeMap<u64, Option<Range<usize>>>,
+    /// Every value written since the checkpoint began, end to end: one allocation rather than
+    /// one a row (a replaced or removed value stays until the overlay is dropped).
+    values: Vec<u8>,
+    /// The first row written since the checkpoint began: no row from it on is in the
+    /// checkpoint's table, so its removal needs no marker.
+    first_new: u64,
 }
 
 impl Overlay {
+    /// An empty overlay of a checkpoint whose table holds the rows below `first_new`.
+    pub(super) fn new(first_new: u64) -> Self {
+        Self {
+            changes: BTreeMap::new(),
+            values: Vec::new(),
+            first_new,
+        }
+    }
+
     /// About how much memory the overlay holds.
     pub(super) fn bytes(&self) -> usize {
-        self.bytes
+        self.values.len() + self.changes.len() * ENTRY_COST
     }
 
     /// How many rows changed.
@@ -48,19 +63,30 @@ impl Overlay {
     pub(super) fn apply_to(self, table: &mut RecordsTable<'_>) -> Result<(), redb::Error> {
         for (row, value) in self.changes {
             match value {
-                Some(value) => drop(table.insert(row, value.as_slice())?),
+                Some(range) => drop(table.insert(row, &self.values[range])?),
                 None => drop(table.remove(row)?),
             }
         }
         Ok(())
     }
 
-    fn set(&mut self, row: u64, value: Option<Vec<u8>>) {
-        let len = |value: &Option<Vec<u8>>| value.as_ref().map_or(0, Vec::len);
-        self.bytes += len(&value);
-        match self.changes.insert(row, value) {
-            Some(old) => self.bytes -= len(&old),
-            None => self.bytes += ENTRY_COST,
+    /// `Some(None)` if `row` was removed, `Some(value)` if written, `None` if unchanged.
+    fn get(&self, row: u64) -> Option<Option<&[u8]>> {
+        let change = self.changes.get(&row)?;
+        Some(change.clone().map(|range| &self.values[range]))
+    }
+
+    fn insert(&mut self, row: u64, value: &[u8]) {
+        let start = self.values.len();
+        self.values.extend_from_slice(value);
+        self.changes.insert(row, Some(start..self.values.len()));
+    }
+
+    fn remove(&mut self, row: u64) {
+        if row >= self.first_new {
+            self.changes.remove(&row);
+        } else {
+            self.changes.insert(row, None);
         }
     }
 }
@@ -96,8 +122,8 @@ impl Records<'_> {
     pub(super) fn get(&self, row: u64) -> Result<Option<RowValue<'_>>, redb::Error> {
         match self {
             Records::Open(table) => Ok(table.get(row)?.map(RowValue::Stored)),
-            Records::Overlaid { base, overlay } => match overlay.changes.get(&row) {
-                Some(value) => Ok(value.as_deref().map(RowValue::Held)),
+            Records::Overlaid { base, overlay } => match overlay.get(row) {
+                Some(value) => Ok(value.map(RowValue::Held)),
                 None => Ok(base.get(row)?.map(RowValue::Stored)),
             },
         }
@@ -107,7 +133,7 @@ impl Records<'_> {
     pub(super) fn insert(&mut self, row: u64, value: &[u8]) -> Result<(), redb::Error> {
         match self {
             Records::Open(table) => drop(table.insert(row, value)?),
-            Records::Overlaid { overlay, .. } => overlay.set(row, Some(value.to_vec())),
+            Records::Overlaid { overlay, .. } => overlay.insert(row, value),
         }
         Ok(())
     }
@@ -123,10 +149,13 @@ impl Records<'_> {
                     return Ok(None);
                 };
                 if let Records::Overlaid { overlay, .. } = self {
-                    overlay.set(row, None);
+                    overlay.remove(row);
                 }
                 Ok(Some(key))
             }
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -113,12 +113,12 @@ fn truncated_or_foreign_records_are_errors_not_panics() {
 }
 
 /// Opens a file as a store starting up does.
-fn open_fresh(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
+pub(super) fn open_fresh(path: &Path) -> Result<(Database, Journal, RowIndex), StoreError> {
     open_file(&RealDisk, path, Some(now_ms()))
 }
 
 /// Removes a test's database file and its journal.
-fn remove_files(path: &Path) {
+pub(super) fn remove_files(path: &Path) {
     let _ = std::fs::remove_file(path);
     for journal in Journal::paths_for(path) {
         let _ = std::fs::remove_file(journal);
@@ -198,9 +198,12 @@ pub(super) fn test_writer(
 ) -> Writer {
     Writer {
         commits: Arc::default(),
+        fail_checkpoint_start: None,
+        sync_threads: 0,
         answers: Arc::new(AnswerQueue::new()),
         txn: None,
         running: None,
+        sync_thread: None,
         db: Some(Arc::new(db)),
         journal: Some(journal),
         checkpointed_at: Instant::now(),

@@ -10,7 +10,7 @@ use redb::{Database, Durability};
 use tokio::sync::{mpsc, oneshot};
 
 use super::apply::Tables;
-use super::checkpoint::RunningCheckpoint;
+use super::checkpoint::{RunningCheckpoint, SyncThread};
 use super::claim::ReadView;
 use super::clock::Clock;
 use super::codec::RECORDS;
@@ -50,6 +50,12 @@ pub(super) const MAX_UNSETTLED: usize = 4 * MAX_BATCH;
 pub(super) struct Writer {
     #[cfg(test)]
     pub(super) commits: Arc<std::sync::atomic::AtomicU64>,
+    /// Where a test makes the next checkpoint fail to begin.
+    #[cfg(test)]
+    pub(super) fail_checkpoint_start: Option<super::checkpoint::FailStart>,
+    /// How many threads the checkpoints' durable commits started.
+    #[cfg(test)]
+    pub(super) sync_threads: usize,
     /// Where each batch's answers go once it is committed (or failed).
     pub(super) answers: Arc<AnswerQueue<Done>>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
@@ -62,7 +68,9 @@ pub(super) struct Writer {
     /// The checkpoint whose sync is running, with the rows changed since it began; ended
     /// (waited for) before the file is closed.
     pub(super) running: Option<RunningCheckpoint>,
-    /// The open file, shared with the running checkpoint's thread; `None` only while
+    /// The thread that runs the open file's durable commits; dropped (ended) with the file.
+    pub(super) sync_thread: Option<SyncThread>,
+    /// The open file, lent to the sync thread for each durable commit; `None` only while
     /// [`Writer::poisoned`] is set and neither reopening it nor opening a read view of it
     /// succeeded.
     pub(super) db: Option<Arc<Database>>,
@@ -202,7 +210,9 @@ impl Writer {
         let result = self.transact(&mut ops, &mut dones, now, Checkpoint::WhenDue);
         let failure = match result {
             Ok(committed) => {
-                if committed {
+                // A batch kept while its checkpoint failed leaves the file poisoned: the
+                // wait before the reopen goes on doubling.
+                if committed && self.poisoned.is_none() {
                     self.reopen_wait = REOPEN_FIRST;
                 }
                 self.unsettled.clear();
@@ -262,6 +272,8 @@ impl Writer {
     /// opened again (which reads what the disk holds: see `open_database`).
     pub(super) fn close(&mut self) {
         self.abandon_checkpoint();
+        // A new file gets a new thread, so one that panicked is not kept.
+        self.sync_thread = None;
         self.txn = None;
         self.db = None;
         self.journal = None;
@@ -375,9 +387,10 @@ impl Writer {
     /// Applies one batch to the open write transaction (or above a running checkpoint) and
     /// makes it durable by its journal frame, then begins a checkpoint if one is due; with
     /// [`Checkpoint::Now`], commits it durably instead. `Ok(true)` if the batch changed
-    /// anything (or checkpointed). The error's flag says whether the file is poisoned: every
-    /// failure once the transaction holds changes is, since those changes can come back only
-    /// from the journal, at the reopen.
+    /// anything (or checkpointed); a checkpoint that failed to begin after it poisons the file
+    /// but leaves the batch's answers as they are. The error's flag says whether the file is
+    /// poisoned: every failure once the transaction holds changes is, since those changes can
+    /// come back only from the journal, at the reopen.
     pub(super) fn transact(
         &mut self,
         ops: &mut impl Iterator<Item = Op>,
@@ -475,7 +488,11 @@ impl Writer {
         }
         if checkpoint_due || (can_start && journal.size_with_pending() > CHECKPOINT_AT) {
             tracing::trace!("redb checkpoint begins");
-            self.start_checkpoint()?;
+            // The batch is durable in the journal, which the reopen applies: a checkpoint that
+            // cannot begin fails the file, not the batch.
+            if let Err(e) = self.start_checkpoint() {
+                self.poison(Arc::new(e));
+            }
         }
         Ok(true)
     }

@@ -2,6 +2,7 @@
 //! changes, and every acknowledged change kept through a crash or a power cut at any point.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redb::ReadableDatabase;
@@ -9,8 +10,12 @@ use redb::ReadableDatabase;
 use super::super::open::{FORMAT, FORMAT_KEY, FORMAT_SETTLED, JOURNAL_STATE};
 use super::super::ops::Op;
 use super::super::sim_disk::{SimDisk, SyncHold};
-use super::super::tests::{assert_in_flight, charge, claim_op, run_one, writer_on};
+use super::super::tests::{
+    assert_in_flight, charge, claim_op, open_fresh, remove_files, run_one, temp_path, test_writer,
+    writer_on,
+};
 use super::super::writer::{CHECKPOINT_EVERY, Writer};
+use super::{FailStart, SyncThread};
 use crate::record::{Completion, OwnerToken, Record, RecordKey, StoredResponse};
 use crate::store::{Claim, Transition};
 
@@ -267,4 +272,121 @@ fn a_clean_close_without_frames_leaves_the_older_format() {
         FORMAT_SETTLED,
         "a clean close leaves the older format"
     );
+}
+
+/// A checkpoint that cannot begin after the batch's frame is synced (its commit without a sync
+/// fails, or what comes after it) poisons the file, but the batch is durable in the journal:
+/// its callers get what it did, the read view answers from it, and the reopen and a power cut
+/// after it keep it.
+#[test]
+fn a_checkpoint_that_cannot_begin_fails_the_file_not_the_batch() {
+    for step in [FailStart::BeforeCommit, FailStart::AfterCommit] {
+        let disk = SimDisk::default();
+        let path = PathBuf::from(format!("/sim/checkpoint-start-{step:?}/records.redb"));
+        let mut writer = writer_on(&disk, &path);
+        let before = acquire(&mut writer, "before");
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        writer.fail_checkpoint_start = Some(step);
+        let kept = acquire(&mut writer, "begins it");
+        assert!(writer.poisoned.is_some(), "{step:?}: the file is poisoned");
+        assert!(writer.unsettled.is_empty(), "{step:?}: no claim to undo");
+
+        // Until the reopen, the read view has the batch.
+        let later = Instant::now() + Duration::from_secs(3600);
+        writer.poisoned.as_mut().unwrap().retry_at = later;
+        let other = run_one(&mut writer, claim_op(kept.0, OwnerToken::generate()));
+        assert!(matches!(other, Ok(Claim::InFlight { .. })), "{other:?}");
+
+        writer.poisoned.as_mut().unwrap().retry_at = Instant::now();
+        let after = acquire(&mut writer, "after");
+        assert!(writer.poisoned.is_none(), "{step:?}: reopened");
+        let held = [before.0, kept.0, after.0];
+        assert_in_flight(&mut writer, &held);
+
+        disk.power_cut();
+        drop(writer);
+        let mut writer = writer_on(&disk, &path);
+        assert_in_flight(&mut writer, &held);
+    }
+}
+
+/// Checkpoint after checkpoint, the durable commits run on one thread, started at the first.
+#[test]
+fn checkpoints_share_one_sync_thread() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/one-sync-thread/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    for i in 0..5 {
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        acquire(&mut writer, &format!("claim {i}"));
+        assert!(writer.running.is_some(), "checkpoint {i} runs");
+        writer.settle_checkpoint(true);
+        assert!(writer.poisoned.is_none(), "checkpoint {i} synced");
+    }
+    assert_eq!(writer.sync_threads, 1);
+}
+
+/// The sync thread does not hold the file between checkpoints: a real file (which redb
+/// refuses to open twice) opens again after a failure closes it in the same writer, after a
+/// writer dropped while a checkpoint runs, and after a clean close.
+#[test]
+fn a_file_closed_after_checkpoints_opens_again() {
+    let path = temp_path("sync-thread-close");
+    let mut writer = test_writer(&path, open_fresh(&path).unwrap());
+    let checkpoint = |writer: &mut Writer, name: &str| {
+        writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+        let claimed = acquire(writer, name);
+        assert!(writer.running.is_some(), "{name}: a checkpoint runs");
+        claimed.0
+    };
+    let settled = checkpoint(&mut writer, "settled");
+    writer.settle_checkpoint(true);
+    writer.poison(Arc::new(redb::Error::PreviousIo));
+    assert!(writer.txn.is_some(), "the read view opened the file again");
+    writer.poisoned.as_mut().unwrap().retry_at = Instant::now();
+    let reopens = acquire(&mut writer, "reopens").0;
+    assert!(writer.poisoned.is_none(), "reopened");
+    let running = checkpoint(&mut writer, "running");
+    drop(writer);
+
+    let opened = open_fresh(&path).expect("the file opens after a drop");
+    let mut writer = test_writer(&path, opened);
+    assert_in_flight(&mut writer, &[settled, reopens, running]);
+    writer.checkpoint_on_close();
+    drop(writer);
+    drop(open_fresh(&path).expect("the file opens after a clean close"));
+    remove_files(&path);
+}
+
+/// A sync thread that dies (panics) in a durable commit fails that checkpoint instead of
+/// leaving the writer waiting: the file is poisoned, the batch that began it stands, and the
+/// reopened file starts a new thread whose checkpoints sync.
+#[test]
+fn a_sync_thread_that_died_fails_its_checkpoint_and_the_reopen_starts_another() {
+    let disk = SimDisk::default();
+    let path = PathBuf::from("/sim/dead-sync-thread/records.redb");
+    let mut writer = writer_on(&disk, &path);
+    let dies = |_: &redb::Database| panic!("an injected panic in the checkpoint thread");
+    writer.sync_thread = Some(SyncThread::start(dies).unwrap());
+    writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let kept = acquire(&mut writer, "begins it");
+    writer.settle_checkpoint(true);
+    assert!(
+        writer.poisoned.is_some(),
+        "the failed checkpoint poisons the file"
+    );
+    assert!(
+        writer.sync_thread.is_none(),
+        "the dead thread went with the file"
+    );
+
+    writer.poisoned.as_mut().unwrap().retry_at = Instant::now();
+    let reopens = acquire(&mut writer, "reopens");
+    assert!(writer.poisoned.is_none(), "reopened");
+    writer.checkpointed_at = Instant::now() - CHECKPOINT_EVERY;
+    let after = acquire(&mut writer, "after");
+    writer.settle_checkpoint(true);
+    assert!(writer.poisoned.is_none(), "the new thread synced it");
+    assert_eq!(writer.sync_threads, 1);
+    assert_in_flight(&mut writer, &[kept.0, reopens.0, after.0]);
 }

@@ -6,12 +6,13 @@
 //! long. So a checkpoint is two commits. The writer commits its open transaction without a
 //! sync (redb keeps its pages in memory, readable at once), with the checkpoint's marks, and
 //! hands the sync to the file's sync thread (one for as long as the file is open): a durable
-//! commit of an empty transaction makes that state durable. Meanwhile the writer reads the table as the checkpoint leaves it, keeps the rows
-//! its batches change in an [`Overlay`] above it, and journals each batch as ever (to the
-//! journal's other file, see [`journal`](super::journal)), so an answer is durable and exactly
-//! what it would have been. Once the sync returns, the overlay is written to the next write
-//! transaction and dropped; if it failed, the file is refused and reopened like any failed
-//! write, and the reopen applies both journal files.
+//! commit of an empty transaction makes that state durable. Meanwhile the writer reads the
+//! table as the checkpoint leaves it, keeps the rows its batches change in an [`Overlay`]
+//! above it, and journals each batch as ever (to the journal's other file, see
+//! [`journal`](super::journal)), so an answer is durable and exactly what it would have been.
+//! Once the sync returns, the overlay is written to the next write transaction and dropped; if
+//! it failed, the file is refused and reopened like any failed write, and the reopen applies
+//! both journal files.
 //!
 //! If a checkpoint takes so long that the overlay passes [`OVERLAY_MAX`], the writer waits for
 //! it before taking the next batch: callers then wait for room in the queue, and memory stays

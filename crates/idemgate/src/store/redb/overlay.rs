@@ -9,7 +9,6 @@
 //! checkpoint is over.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 
 use redb::{AccessGuard, ReadOnlyTable, ReadableTable, Table};
 
@@ -22,17 +21,16 @@ pub(super) type RecordsTable<'t> = Table<'t, u64, &'static [u8]>;
 pub(super) type RecordsView = ReadOnlyTable<u64, &'static [u8]>;
 
 /// Memory an overlay entry costs beyond its value: the map's node share, the row number and
-/// the value's place.
+/// the value's own header.
 const ENTRY_COST: usize = 64;
 
 /// The rows changed since a checkpoint began: each row's value, or `None` if a row of the
 /// checkpoint's was removed.
 pub(super) struct Overlay {
-    /// Each changed row's value, as its range in `values`.
-    changes: BTreeMap<u64, Option<Range<usize>>>,
-    /// Every value written since the checkpoint began, end to end: one allocation rather than
-    /// one a row (a replaced or removed value stays until the overlay is dropped).
-    values: Vec<u8>,
+    changes: BTreeMap<u64, Option<Vec<u8>>>,
+    /// About how much memory the changes hold, to bound it: a replaced or removed value is
+    /// freed and no longer counted, so a claim completed during the checkpoint counts once.
+    bytes: usize,
     /// The first row written since the checkpoint began: no row from it on is in the
     /// checkpoint's table, so its removal needs no marker.
     first_new: u64,
@@ -43,14 +41,14 @@ impl Overlay {
     pub(super) fn new(first_new: u64) -> Self {
         Self {
             changes: BTreeMap::new(),
-            values: Vec::new(),
+            bytes: 0,
             first_new,
         }
     }
 
     /// About how much memory the overlay holds.
     pub(super) fn bytes(&self) -> usize {
-        self.values.len() + self.changes.len() * ENTRY_COST
+        self.bytes
     }
 
     /// How many rows changed.
@@ -63,7 +61,7 @@ impl Overlay {
     pub(super) fn apply_to(self, table: &mut RecordsTable<'_>) -> Result<(), redb::Error> {
         for (row, value) in self.changes {
             match value {
-                Some(range) => drop(table.insert(row, &self.values[range])?),
+                Some(value) => drop(table.insert(row, value.as_slice())?),
                 None => drop(table.remove(row)?),
             }
         }
@@ -72,23 +70,33 @@ impl Overlay {
 
     /// `Some(None)` if `row` was removed, `Some(value)` if written, `None` if unchanged.
     fn get(&self, row: u64) -> Option<Option<&[u8]>> {
-        let change = self.changes.get(&row)?;
-        Some(change.clone().map(|range| &self.values[range]))
+        self.changes.get(&row).map(Option::as_deref)
     }
 
     fn insert(&mut self, row: u64, value: &[u8]) {
-        let start = self.values.len();
-        self.values.extend_from_slice(value);
-        self.changes.insert(row, Some(start..self.values.len()));
+        self.set(row, Some(value.to_vec()));
     }
 
     fn remove(&mut self, row: u64) {
-        if row >= self.first_new {
-            self.changes.remove(&row);
-        } else {
-            self.changes.insert(row, None);
+        if row < self.first_new {
+            self.set(row, None);
+        } else if let Some(old) = self.changes.remove(&row) {
+            self.bytes -= cost(&old);
         }
     }
+
+    /// Sets `row`'s change, keeping [`bytes`](Self::bytes) the sum of the entries' costs.
+    fn set(&mut self, row: u64, value: Option<Vec<u8>>) {
+        self.bytes += cost(&value);
+        if let Some(old) = self.changes.insert(row, value) {
+            self.bytes -= cost(&old);
+        }
+    }
+}
+
+/// The memory one overlay entry holds.
+fn cost(value: &Option<Vec<u8>>) -> usize {
+    ENTRY_COST + value.as_ref().map_or(0, Vec::len)
 }
 
 /// The records a batch reads and writes.

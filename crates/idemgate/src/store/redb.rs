@@ -14,9 +14,9 @@
 //! A batch is made durable by its journal frame: the batch is applied to the writer's open
 //! write transaction, which is not committed, and its row changes are appended to the journal
 //! beside the file and synced (one write, where a durable redb commit writes some twenty
-//! scattered pages). About once a second, or when the journal passes 16 MiB, the database is
-//! checkpointed: the pages the batches of a second changed again and again are copied and
-//! written once. The checkpoint's sync takes tens of milliseconds and runs on a thread of its
+//! scattered pages). Every tenth of a second, or when the journal passes 16 MiB, the database
+//! is checkpointed: the pages the batches since the last one changed again and again are
+//! written once. The checkpoint's sync takes milliseconds and runs on a thread of its
 //! own (see [`checkpoint`]): the transaction is committed without a sync, an empty durable
 //! commit on that thread makes it durable, and meanwhile the writer keeps taking batches,
 //! journals them to the journal's other file and holds their row changes in memory above the

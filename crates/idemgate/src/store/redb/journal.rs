@@ -5,11 +5,11 @@
 //! the allocator's and the free list's pages) where each lives in the file, about twenty
 //! scattered writes, then syncs. Appending the same batch's row changes to the journal is one
 //! write at the journal's end. So the writer applies the batches to one open write
-//! transaction and makes each durable here; about once a second, or when the journal has grown
-//! past [`CHECKPOINT_AT`], the database is committed durably (a checkpoint) with the sequence
-//! number of the last frame it holds.
+//! transaction and makes each durable here; every tenth of a second, or when the journal has
+//! grown past [`CHECKPOINT_AT`], the database is committed durably (a checkpoint) with the
+//! sequence number of the last frame it holds.
 //!
-//! The checkpoint's sync takes tens of milliseconds and the writer does not wait for it: the
+//! The checkpoint's sync takes milliseconds and the writer does not wait for it: the
 //! frames written meanwhile are past the checkpoint and must outlive it. So the journal is two
 //! files used in turn (`PATH-journal` and `PATH-journal-2`): a checkpoint covers every frame of
 //! the file in use when it starts, and the frames written while it runs go to the other file,

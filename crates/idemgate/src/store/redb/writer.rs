@@ -35,8 +35,9 @@ pub(super) const QUEUE: usize = 4096;
 /// Expired records every write transaction also removes, riding on its commit.
 pub(super) const PIGGYBACK_SWEEP: usize = 64;
 /// Longest time between two checkpoints (durable commits of the database itself) while
-/// changes are being journalled.
-pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// changes are being journalled. A checkpoint holds the writer for a commit that grows with
+/// the pages changed since the last one, so short intervals keep each hold short.
+pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// Pause between two sweeps when the writer is otherwise idle.
 pub(super) const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How long after a failed write the writer first tries to reopen the file.

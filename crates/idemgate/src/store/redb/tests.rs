@@ -589,6 +589,20 @@ pub(super) fn writer_on(disk: &super::sim_disk::SimDisk, path: &Path) -> Writer 
     writer
 }
 
+/// Cuts the power under `writer`, opens the file again as at start-up, and asserts that each
+/// of `keys` is still held in flight.
+pub(super) fn assert_in_flight_after_power_cut(
+    disk: &super::sim_disk::SimDisk,
+    path: &Path,
+    writer: Writer,
+    keys: &[RecordKey],
+) {
+    disk.power_cut();
+    drop(writer);
+    let mut writer = writer_on(disk, path);
+    assert_in_flight(&mut writer, keys);
+}
+
 /// Asserts that each of `keys` is held in flight.
 pub(super) fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
     for &key in keys {
@@ -652,10 +666,7 @@ fn a_failed_checkpoint_sync_loses_nothing_at_a_power_cut() {
     let acknowledged = acknowledged.clone();
     assert_in_flight(&mut writer, &acknowledged);
 
-    disk.power_cut();
-    drop(writer);
-    let mut writer = writer_on(&disk, &path);
-    assert_in_flight(&mut writer, &acknowledged);
+    assert_in_flight_after_power_cut(&disk, &path, writer, &acknowledged);
 }
 
 /// A process that dies right after a failed checkpoint sync, before it reopens anything,
@@ -760,10 +771,7 @@ fn a_failed_journal_sync_loses_nothing_at_a_power_cut() {
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
         acknowledged.push(key);
     }
-    disk.power_cut();
-    drop(writer);
-    let mut writer = writer_on(&disk, &path);
-    assert_in_flight(&mut writer, &acknowledged);
+    assert_in_flight_after_power_cut(&disk, &path, writer, &acknowledged);
 }
 
 /// The database file, its journal and the folder made for them are entries in their
@@ -777,10 +785,7 @@ fn a_new_store_survives_a_power_cut() {
     let key = RecordKey::of(b"first");
     let claimed = run_one(&mut writer, claim_op(key, OwnerToken::generate()));
     assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
-    disk.power_cut();
-    drop(writer);
-    let mut writer = writer_on(&disk, &path);
-    assert_in_flight(&mut writer, &[key]);
+    assert_in_flight_after_power_cut(&disk, &path, writer, &[key]);
 }
 
 /// Frames left in the journal by a writer that then goes idle are checkpointed by the

@@ -61,7 +61,7 @@ pub(super) struct Writer {
     pub(super) answers: Arc<AnswerQueue<Done>>,
     /// The write transaction that holds every change since the last checkpoint. Each batch
     /// is applied to it and made durable by its journal frame; only a checkpoint commits it,
-    /// so a page the batches of a second change again and again is copied and written once.
+    /// so a page the batches between two checkpoints change again and again is written once.
     /// Every failure once it holds changes poisons the file: the reopen applies the journal.
     /// `None` while a checkpoint runs. Declared before `db`, so it is dropped (aborted)
     /// before the file is closed.

@@ -11,8 +11,8 @@ use super::super::open::{FORMAT, FORMAT_KEY, FORMAT_SETTLED, JOURNAL_STATE};
 use super::super::ops::Op;
 use super::super::sim_disk::{SimDisk, SyncHold};
 use super::super::tests::{
-    assert_in_flight, charge, claim_op, open_fresh, remove_files, run_one, temp_path, test_writer,
-    writer_on,
+    assert_in_flight, assert_in_flight_after_power_cut, charge, claim_op, open_fresh, remove_files,
+    run_one, temp_path, test_writer, writer_on,
 };
 use super::super::writer::{CHECKPOINT_EVERY, Writer};
 use super::{FailStart, SyncThread};
@@ -303,10 +303,7 @@ fn a_checkpoint_that_cannot_begin_fails_the_file_not_the_batch() {
         let held = [before.0, kept.0, after.0];
         assert_in_flight(&mut writer, &held);
 
-        disk.power_cut();
-        drop(writer);
-        let mut writer = writer_on(&disk, &path);
-        assert_in_flight(&mut writer, &held);
+        assert_in_flight_after_power_cut(&disk, &path, writer, &held);
     }
 }
 

@@ -603,6 +603,19 @@ pub(super) fn assert_in_flight_after_power_cut(
     assert_in_flight(&mut writer, keys);
 }
 
+/// Completes `key`'s claim under `token` with a charge, kept for 600 s.
+pub(super) fn complete(writer: &mut Writer, (key, token): (RecordKey, OwnerToken)) {
+    let completion = charge().encode();
+    let done = run_one(writer, |reply| Op::Complete {
+        key,
+        token,
+        completion,
+        ttl: Duration::from_secs(600),
+        reply,
+    });
+    assert!(matches!(done, Ok(Transition::Applied)), "{done:?}");
+}
+
 /// Asserts that each of `keys` is held in flight.
 pub(super) fn assert_in_flight(writer: &mut Writer, keys: &[RecordKey]) {
     for &key in keys {
@@ -687,15 +700,7 @@ fn a_process_after_one_that_died_at_a_failed_sync_trusts_nothing_cached() {
         let token = OwnerToken::generate();
         let claimed = run_one(&mut writer, claim_op(key, token));
         assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
-        let completion = charge().encode();
-        let done = run_one(&mut writer, |reply| Op::Complete {
-            key,
-            token,
-            completion,
-            ttl: Duration::from_secs(600),
-            reply,
-        });
-        assert!(matches!(done, Ok(Transition::Applied)), "{done:?}");
+        complete(&mut writer, (key, token));
     }
     // The checkpoint's commit, whose sync fails; the process dies before doing anything else.
     disk.fail_next_sync(&path);

@@ -11,8 +11,8 @@ use super::super::open::{FORMAT, FORMAT_KEY, FORMAT_SETTLED, JOURNAL_STATE};
 use super::super::ops::Op;
 use super::super::sim_disk::{SimDisk, SyncHold};
 use super::super::tests::{
-    assert_in_flight, assert_in_flight_after_power_cut, charge, claim_op, open_fresh, remove_files,
-    run_one, temp_path, test_writer, writer_on,
+    assert_in_flight, assert_in_flight_after_power_cut, claim_op, complete, open_fresh,
+    remove_files, run_one, temp_path, test_writer, writer_on,
 };
 use super::super::writer::{CHECKPOINT_EVERY, Writer};
 use super::{FailStart, SyncThread};
@@ -36,18 +36,6 @@ fn acquire(writer: &mut Writer, name: &str) -> (RecordKey, OwnerToken) {
         "{name}: {claimed:?}"
     );
     (key, token)
-}
-
-fn complete(writer: &mut Writer, (key, token): (RecordKey, OwnerToken)) {
-    let completion = charge().encode();
-    let done = run_one(writer, |reply| Op::Complete {
-        key,
-        token,
-        completion,
-        ttl: Duration::from_secs(600),
-        reply,
-    });
-    assert!(matches!(done, Ok(Transition::Applied)), "{done:?}");
 }
 
 fn get(writer: &mut Writer, key: RecordKey) -> Option<Record> {

@@ -124,7 +124,9 @@ pub enum Command {
 }
 
 /// `idemgate consume`: one source from the flags, beside the config file's `[[sources]]`.
-/// `--upstream` is the handler's URL, path included.
+/// `--upstream` is the handler's URL, path included. The source's other flags describe only
+/// the `--source` beside them, so each needs it: without it, one would seem to apply to the
+/// file's sources and would not.
 #[derive(Debug, clap::Args)]
 pub struct ConsumeArgs {
     /// redis-stream://HOST:PORT/STREAM?group=GROUP[&consumer=NAME] [default consumer:
@@ -133,46 +135,49 @@ pub struct ConsumeArgs {
     pub source: Option<String>,
     /// The field holding each message's own id, or FIELD:/json/pointer into a JSON field
     /// (payload:/id).
-    #[arg(long, value_name = "FIELD")]
+    #[arg(long, value_name = "FIELD", requires = "source")]
     pub key_field: Option<String>,
     /// Use the stream entry id as the key when the key field is missing [default: false].
-    #[arg(long)]
+    #[arg(long, requires = "source")]
     pub entry_id_fallback: bool,
     /// The field sent as the body; without it, the entry's fields as a JSON object
     /// [default: payload].
-    #[arg(long, value_name = "FIELD")]
+    #[arg(long, value_name = "FIELD", requires = "source")]
     pub payload_field: Option<String>,
     /// Messages delivered at once [default: 64].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", requires = "source")]
     pub max_in_flight: Option<usize>,
     /// Tries of a message the handler refuses before it is dead-lettered [default: 5].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", requires = "source")]
     pub max_attempts: Option<u32>,
     /// Wait before the second try, doubling after [default: 500ms].
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", requires = "source")]
     pub retry_backoff: Option<String>,
     /// Idle time after which a dead consumer's pending message is taken over [default: the
     /// route's lease].
-    #[arg(long, value_name = "DURATION")]
+    #[arg(long, value_name = "DURATION", requires = "source")]
     pub claim_idle: Option<String>,
     /// Where dead letters go [default: STREAM.dead].
-    #[arg(long, value_name = "STREAM")]
+    #[arg(long, value_name = "STREAM", requires = "source")]
     pub dead_letter_stream: Option<String>,
 }
 
 impl ConsumeArgs {
-    fn flags(&self) -> consume::config::SourceFlags {
-        consume::config::SourceFlags {
-            url: self.source.clone(),
+    /// The source the flags describe, as a `[[sources]]` table beside the file's; `None`
+    /// without `--source` (clap refuses the other source flags without it).
+    fn source_table(&self) -> Option<consume::config::SourceFile> {
+        Some(consume::config::SourceFile {
+            url: Some(self.source.clone()?),
             key_field: self.key_field.clone(),
-            entry_id_fallback: self.entry_id_fallback,
+            entry_id_fallback: Some(self.entry_id_fallback),
             payload_field: self.payload_field.clone(),
+            upstream: None,
             max_in_flight: self.max_in_flight,
             max_attempts: self.max_attempts,
             retry_backoff: self.retry_backoff.clone(),
             claim_idle: self.claim_idle.clone(),
             dead_letter_stream: self.dead_letter_stream.clone(),
-        }
+        })
     }
 }
 
@@ -234,7 +239,7 @@ fn check_or_consume(cli: &Cli, args: &ConsumeArgs) -> ExitCode {
     let loaded = consume::config::ConsumeSettings::load(
         cli.config.as_deref(),
         &cli.overrides(),
-        args.flags(),
+        args.source_table(),
     );
     let settings = match loaded {
         Ok(settings) => settings,

@@ -638,9 +638,73 @@ async fn sigterm_finishes_the_messages_in_flight_acknowledges_them_and_exits_0()
     assert_eq!(handler.total_runs(), 4);
 }
 
+/// A `rediss-stream://` source reads over TLS and checks Redis's certificate: trusted through
+/// `SSL_CERT_FILE`, a producer's duplicate runs the handler once and both entries settle; not
+/// trusted, nothing is read and the log names the certificate.
+#[cfg(feature = "redis-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rediss_stream_source_reads_over_tls_and_checks_the_certificate() {
+    let server = RedisServer::start_tls();
+    let ca = server.ca_file();
+    let mut conn = support::redis_tls(&server.url(), &ca).await;
+    let handler = Handler::start(|_, _| Reply::ok()).await;
+    produce_event(&mut conn, STREAM, "evt-tls").await;
+    produce_event(&mut conn, STREAM, "evt-tls").await;
+    let dir = TempDir::new();
+    let config = config(&dir, "");
+    let source = format!(
+        "rediss-stream://127.0.0.1:{}/{STREAM}?group={GROUP}",
+        server.port()
+    );
+    let url = handler.url();
+    let args = [
+        "--config",
+        config.as_str(),
+        "--store",
+        "memory",
+        "--upstream",
+        url.as_str(),
+        "consume",
+        "--source",
+        source.as_str(),
+        "--key-field",
+        "event_id",
+    ];
+
+    // The system's roots do not include the test CA: the handshake fails, nothing is read.
+    let untrusting = Consumer::start(&args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !untrusting.logs().contains("certificate") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        untrusting.logs().contains("certificate"),
+        "the failure names the certificate:\n{}",
+        untrusting.logs()
+    );
+    assert_eq!(handler.total_runs(), 0);
+    drop(untrusting);
+
+    let ca = ca.to_str().expect("a UTF-8 temp path");
+    let trusting = Consumer::start_with_env(&args, &[("SSL_CERT_FILE", ca)]);
+    settles(&mut conn, &trusting).await;
+    assert_eq!(
+        handler.runs().get("evt-tls"),
+        Some(&1),
+        "{:?}",
+        handler.runs()
+    );
+    assert_eq!(handler.total_runs(), 1);
+    assert!(dead_letters(&mut conn).await.is_empty());
+}
+
 #[test]
 fn bad_consume_input_is_refused_with_a_clear_error() {
     for (args, says) in [
+        (
+            vec!["consume", "--upstream", "http://127.0.0.1:1/h"],
+            "no source to consume",
+        ),
         (
             vec![
                 "consume",
@@ -649,7 +713,7 @@ fn bad_consume_input_is_refused_with_a_clear_error() {
                 "--upstream",
                 "http://127.0.0.1:1/h",
             ],
-            "no source to consume",
+            "required arguments were not provided:\n  --source <URL>",
         ),
         (
             vec![
@@ -704,8 +768,26 @@ fn bad_consume_input_is_refused_with_a_clear_error() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    // A route that would let messages through unprotected is refused at start.
+    // A source's flag beside a file's sources, without --source, is refused: it describes
+    // the --source beside it, and the file's sources would not take it.
     let dir = TempDir::new();
+    let with_source = dir.write(
+        "with-source.toml",
+        "store = \"memory\"\nupstream = \"http://127.0.0.1:1/h\"\n[[sources]]\n\
+         url = \"redis-stream://127.0.0.1:6379/s?group=g\"\nkey_field = \"id\"\n",
+    );
+    let output = idemgate()
+        .args(["--config", &with_source, "--check-config", "consume"])
+        .args(["--max-in-flight", "3"])
+        .output()
+        .expect("run idemgate");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("required arguments were not provided:\n  --source <URL>"),
+        "{stderr}"
+    );
+    // A route that would let messages through unprotected is refused at start.
     for (route, says) in [
         ("key_json_pointer = \"/id\"", "reads its keys from the body"),
         ("methods = [\"PUT\"]", "does not take POST requests"),

@@ -58,48 +58,6 @@ pub struct SourceFile {
     pub dead_letter_stream: Option<String>,
 }
 
-/// The `consume` flags that describe one source; laid over nothing, they make a source of
-/// their own beside the file's.
-#[derive(Clone, Debug, Default)]
-pub struct SourceFlags {
-    /// `--source`.
-    pub url: Option<String>,
-    /// `--key-field`.
-    pub key_field: Option<String>,
-    /// `--entry-id-fallback`.
-    pub entry_id_fallback: bool,
-    /// `--payload-field`.
-    pub payload_field: Option<String>,
-    /// `--max-in-flight`.
-    pub max_in_flight: Option<usize>,
-    /// `--max-attempts`.
-    pub max_attempts: Option<u32>,
-    /// `--retry-backoff`.
-    pub retry_backoff: Option<String>,
-    /// `--claim-idle`.
-    pub claim_idle: Option<String>,
-    /// `--dead-letter-stream`.
-    pub dead_letter_stream: Option<String>,
-}
-
-impl SourceFlags {
-    fn into_file(self) -> Option<SourceFile> {
-        let url = self.url?;
-        Some(SourceFile {
-            url: Some(url),
-            key_field: self.key_field,
-            entry_id_fallback: Some(self.entry_id_fallback),
-            payload_field: self.payload_field,
-            upstream: None,
-            max_in_flight: self.max_in_flight,
-            max_attempts: self.max_attempts,
-            retry_backoff: self.retry_backoff,
-            claim_idle: self.claim_idle,
-            dead_letter_stream: self.dead_letter_stream,
-        })
-    }
-}
-
 /// Where an entry's key is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyField {
@@ -280,12 +238,12 @@ pub struct ConsumeSettings {
 }
 
 impl ConsumeSettings {
-    /// Reads `path` (when given), lays `overrides` over it, adds the source the flags
-    /// describe, and checks the result.
+    /// Reads `path` (when given), lays `overrides` over it, adds `flags_source` (the source
+    /// the `consume` flags describe, as a table), and checks the result.
     pub fn load(
         path: Option<&Path>,
         overrides: &Overrides,
-        flags: SourceFlags,
+        flags_source: Option<SourceFile>,
     ) -> Result<Self, ConfigError> {
         let mut file = match path {
             Some(path) => FileConfig::read(path)?,
@@ -296,7 +254,7 @@ impl ConsumeSettings {
         for (i, table) in std::mem::take(&mut file.sources).into_iter().enumerate() {
             tables.push((format!("sources[{i}]"), read_table(i, table)?));
         }
-        if let Some(source) = flags.into_file() {
+        if let Some(source) = flags_source {
             tables.push(("--source".to_owned(), source));
         }
         if tables.is_empty() {
@@ -485,13 +443,17 @@ mod tests {
         }
     }
 
-    fn load(toml: &str, flags: SourceFlags) -> Result<ConsumeSettings, ConfigError> {
+    fn load(toml: &str, flags: Option<SourceFile>) -> Result<ConsumeSettings, ConfigError> {
         let dir =
             std::env::temp_dir().join(format!("idemgate-consume-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(format!(
             "{:x}.toml",
-            toml.len() ^ flags.url.as_ref().map_or(0, String::len)
+            toml.len()
+                ^ flags
+                    .as_ref()
+                    .and_then(|f| f.url.as_ref())
+                    .map_or(0, String::len)
         ));
         std::fs::write(&path, toml).unwrap();
         let loaded = ConsumeSettings::load(Some(&path), &Overrides::default(), flags);
@@ -511,11 +473,11 @@ mod tests {
             max_in_flight = 8
             retry_backoff = "100ms"
             "#,
-            SourceFlags {
+            Some(SourceFile {
                 url: Some("redis-stream://127.0.0.1:6379/events?group=g".into()),
                 key_field: Some("event_id".into()),
-                ..SourceFlags::default()
-            },
+                ..SourceFile::default()
+            }),
         )
         .unwrap();
         let [file, flags] = settings.sources.as_slice() else {
@@ -538,9 +500,7 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/../../config/consume.toml"
         ));
-        let settings =
-            ConsumeSettings::load(Some(path), &Overrides::default(), SourceFlags::default())
-                .unwrap();
+        let settings = ConsumeSettings::load(Some(path), &Overrides::default(), None).unwrap();
         let [source] = settings.sources.as_slice() else {
             panic!("one source expected");
         };
@@ -586,15 +546,11 @@ mod tests {
                 "unknown field",
             ),
         ] {
-            let error = load(
-                &format!("{base}[[sources]]\n{source}\n"),
-                SourceFlags::default(),
-            )
-            .unwrap_err();
+            let error = load(&format!("{base}[[sources]]\n{source}\n"), None).unwrap_err();
             assert_eq!(error.field(), Some(field), "{source}: {error}");
             assert!(error.to_string().contains(says), "{source}: {error}");
         }
-        let none = load(base, SourceFlags::default()).unwrap_err();
+        let none = load(base, None).unwrap_err();
         assert_eq!(none.field(), Some("sources"));
     }
 }

@@ -195,7 +195,13 @@ impl Consumer {
     /// Starts `idemgate --admin-listen 127.0.0.1:0 ARGS…` and waits for its
     /// `idemgate consuming … admin ADDR` line.
     pub(crate) fn start(args: &[&str]) -> Self {
-        Self::start_announcing("idemgate consuming ", args)
+        Self::start_announcing("idemgate consuming ", args, &[])
+    }
+
+    /// [`Consumer::start`] with `env` set for the process.
+    #[allow(dead_code)] // Each test binary that includes this file uses a part of it.
+    pub(crate) fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_announcing("idemgate consuming ", args, env)
     }
 
     /// Starts the proxy, `idemgate --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 ARGS…`,
@@ -204,12 +210,13 @@ impl Consumer {
     pub(crate) fn start_proxy(args: &[&str]) -> Self {
         let mut all = vec!["--listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
-        Self::start_announcing("idemgate listening on ", &all)
+        Self::start_announcing("idemgate listening on ", &all, &[])
     }
 
-    fn start_announcing(announcement: &'static str, args: &[&str]) -> Self {
+    fn start_announcing(announcement: &'static str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = idemgate();
         cmd.args(["--admin-listen", "127.0.0.1:0"]).args(args);
+        cmd.envs(env.iter().copied());
         cmd.stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn idemgate consume");
         let stderr = child.stderr.take().unwrap();
@@ -350,6 +357,20 @@ pub(crate) async fn redis(url: &str) -> MultiplexedConnection {
         .get_multiplexed_async_connection()
         .await
         .expect("connect to the test Redis")
+}
+
+/// A connection to the TLS-only Redis at `url` (`rediss://`), trusting the CA in `ca`.
+#[allow(dead_code)] // Each test binary that includes this file uses a part of it.
+pub(crate) async fn redis_tls(url: &str, ca: &std::path::Path) -> MultiplexedConnection {
+    let certificates = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(std::fs::read(ca).expect("read the test CA")),
+    };
+    redis::Client::build_with_tls(url, certificates)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to the test Redis over TLS")
 }
 
 /// Appends one entry with `fields` to `stream`.

@@ -35,14 +35,16 @@ pub struct Reading {
 impl Reading {
     /// The message `entry` carries, or why it has no key (for its dead letter).
     pub fn message(&self, entry: &Entry) -> Result<Message, String> {
-        let key = match self.key(entry) {
-            Ok(key) => key,
-            Err(_) if self.entry_id_fallback => entry.id.clone(),
+        let (key, read_as_json) = match self.key(entry) {
+            Ok(found) => found,
+            Err(_) if self.entry_id_fallback => (entry.id.clone(), None),
             Err(why) => return Err(why),
         };
         let (body, content_type) = match entry.field(&self.payload_field) {
             Some(payload) => {
-                let json = serde_json::from_slice::<serde::de::IgnoredAny>(payload).is_ok();
+                // A key found by JSON pointer in the payload has shown it is JSON already.
+                let json = read_as_json == Some(self.payload_field.as_str())
+                    || serde_json::from_slice::<serde::de::IgnoredAny>(payload).is_ok();
                 (payload.clone(), if json { JSON } else { OCTETS })
             }
             None => (fields_as_json(entry), JSON),
@@ -54,7 +56,8 @@ impl Reading {
         })
     }
 
-    fn key(&self, entry: &Entry) -> Result<String, String> {
+    /// The entry's key, and the field it was read from when that field was parsed as JSON.
+    fn key(&self, entry: &Entry) -> Result<(String, Option<&str>), String> {
         match &self.key_field {
             KeyField::Field(name) => {
                 let value = entry
@@ -65,7 +68,7 @@ impl Reading {
                 if key.is_empty() {
                     return Err(format!("the field {name:?} is empty"));
                 }
-                Ok(key.to_owned())
+                Ok((key.to_owned(), None))
             }
             KeyField::JsonPointer { field, pointer } => {
                 let value = entry
@@ -74,9 +77,11 @@ impl Reading {
                 let document: serde_json::Value = serde_json::from_slice(value)
                     .map_err(|_| format!("the field {field:?} is not JSON"))?;
                 match document.pointer(pointer) {
-                    Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+                    Some(serde_json::Value::String(s)) if !s.is_empty() => {
+                        Ok((s.clone(), Some(field)))
+                    }
                     Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
-                        Ok(n.to_string())
+                        Ok((n.to_string(), Some(field)))
                     }
                     Some(_) => Err(format!(
                         "{pointer} in the field {field:?} is not a non-empty string or an integer"
@@ -152,7 +157,7 @@ mod tests {
         let m = r
             .message(&entry(&[("payload", r#"{"data":{"id":42}}"#)]))
             .unwrap();
-        assert_eq!(m.key, "42");
+        assert_eq!((m.key.as_str(), m.content_type), ("42", JSON));
         let missing = r
             .message(&entry(&[("payload", r#"{"data":{}}"#)]))
             .unwrap_err();

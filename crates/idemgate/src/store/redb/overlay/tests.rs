@@ -5,10 +5,11 @@ use redb::backends::InMemoryBackend;
 use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::super::codec::RECORDS;
-use super::{ENTRY_COST, Overlay, Records};
+use super::{ENTRY_COST, Overlay, Records, RecordsView};
 
-/// A database whose committed records table holds rows 0 and 1.
-fn base() -> Database {
+/// A database whose committed records table holds rows 0 and 1, and that table as a
+/// checkpoint leaves it for the batches that read under the overlay.
+fn base() -> (Database, RecordsView) {
     let db = Database::builder()
         .create_with_backend(InMemoryBackend::new())
         .unwrap();
@@ -19,7 +20,13 @@ fn base() -> Database {
         table.insert(1, b"one".as_slice()).unwrap();
     }
     txn.commit().unwrap();
-    db
+    let view = db.begin_read().unwrap().open_table(RECORDS).unwrap();
+    (db, view)
+}
+
+/// The records a batch reads and writes while a checkpoint runs.
+fn overlaid<'t>(base: &'t RecordsView, overlay: &'t mut Overlay) -> Records<'t> {
+    Records::Overlaid { base, overlay }
 }
 
 fn read(records: &Records<'_>, row: u64) -> Option<Vec<u8>> {
@@ -32,13 +39,9 @@ fn read(records: &Records<'_>, row: u64) -> Option<Vec<u8>> {
 /// see both right, the memory count follows, and the changes land in the next transaction.
 #[test]
 fn removals_keep_a_marker_only_for_the_checkpoints_rows() {
-    let db = base();
-    let view = db.begin_read().unwrap().open_table(RECORDS).unwrap();
+    let (db, view) = base();
     let mut overlay = Overlay::new(2);
-    let mut records = Records::Overlaid {
-        base: &view,
-        overlay: &mut overlay,
-    };
+    let mut records = overlaid(&view, &mut overlay);
     records.insert(2, b"two").unwrap();
     assert_eq!(read(&records, 2).as_deref(), Some(b"two".as_slice()));
     assert!(records.remove(2).unwrap().is_some(), "row 2 was there");
@@ -86,23 +89,16 @@ fn removals_keep_a_marker_only_for_the_checkpoints_rows() {
 /// a claim completed during the checkpoint counts once against the overlay's bound.
 #[test]
 fn the_memory_count_follows_the_entries() {
-    let db = base();
-    let view = db.begin_read().unwrap().open_table(RECORDS).unwrap();
+    let (_db, view) = base();
     let mut overlay = Overlay::new(2);
-    let mut records = Records::Overlaid {
-        base: &view,
-        overlay: &mut overlay,
-    };
+    let mut records = overlaid(&view, &mut overlay);
     for row in 2..50 {
         records.insert(row, &[7; 100]).unwrap();
         records.insert(row, &[8; 60]).unwrap();
     }
     drop(records);
     assert_eq!(overlay.bytes(), 48 * (ENTRY_COST + 60));
-    let mut records = Records::Overlaid {
-        base: &view,
-        overlay: &mut overlay,
-    };
+    let mut records = overlaid(&view, &mut overlay);
     for row in (2..50).rev() {
         records.remove(row).unwrap();
     }

@@ -199,7 +199,6 @@ impl Consumer {
     }
 
     /// [`Consumer::start`] with `env` set for the process.
-    #[allow(dead_code)] // Each test binary that includes this file uses a part of it.
     pub(crate) fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         Self::start_announcing("idemgate consuming ", args, env)
     }
@@ -360,7 +359,6 @@ pub(crate) async fn redis(url: &str) -> MultiplexedConnection {
 }
 
 /// A connection to the TLS-only Redis at `url` (`rediss://`), trusting the CA in `ca`.
-#[allow(dead_code)] // Each test binary that includes this file uses a part of it.
 pub(crate) async fn redis_tls(url: &str, ca: &std::path::Path) -> MultiplexedConnection {
     let certificates = redis::TlsCertificates {
         client_tls: None,

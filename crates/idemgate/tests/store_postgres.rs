@@ -654,3 +654,159 @@ async fn answers_that_change_nothing_write_nothing() {
         after - before - 1
     );
 }
+
+/// The table's scan counters: how many times it was read whole, and how many rows were read
+/// through its indexes. A session's reads are counted once it flushes its statistics, at the
+/// latest as it exits (see [`close`]).
+async fn scans(raw: &tokio_postgres::Client) -> (i64, i64) {
+    let row = raw
+        .query_one(
+            "SELECT seq_scan, coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables \
+             WHERE relname = 'idemgate_records'",
+            &[],
+        )
+        .await
+        .expect("read the table's scan counters");
+    (row.get(0), row.get(1))
+}
+
+/// Drops `store` and waits until its sessions have ended, so their reads are counted.
+async fn close(store: PostgresStore, raw: &tokio_postgres::Client) {
+    drop(store);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sessions: i64 = raw
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
+                &[],
+            )
+            .await
+            .expect("count sessions")
+            .get(0);
+        if sessions == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the store's sessions outlived it");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Autovacuum empties and analyzes the table when traffic stops; a connection then plans its
+/// statements for a table of one page, and a plan is kept for the connection's life. Those
+/// plans must still find a record through the key's index, or every claim reads the whole
+/// table once traffic resumes and it has grown (one connection here, so it reuses its plans).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_planned_on_a_nearly_empty_table_use_its_indexes() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.pool_size = 1;
+    config.sweep_interval = Duration::from_millis(100);
+    let raw = raw(&server).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    let short = options(Duration::from_millis(50), Duration::from_millis(100));
+    // The table set up, its index built and one record in it, by a store closed again so
+    // that its reads are counted before the measure starts.
+    let setup = connect(config.clone()).await;
+    acquire(&setup, "first", &long).await;
+    close(setup, &raw).await;
+    raw.batch_execute("ANALYZE idemgate_records")
+        .await
+        .expect("analyze the one-row table");
+    let store = connect(config).await;
+    let (whole_before, _) = scans(&raw).await;
+
+    // More runs of each statement than PostgreSQL makes before it keeps a generic plan.
+    for i in 0..12 {
+        let name = format!("key-{i}");
+        let token = acquire(&store, &name, &long).await;
+        assert!(matches!(
+            claim(&store, &name, &long).await,
+            Ok(Claim::InFlight { .. })
+        ));
+        store
+            .renew(&key(&name), token, Duration::from_secs(30))
+            .await
+            .expect("renew");
+        let applied = store
+            .complete(&key(&name), token, response(b"done"), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+        assert_eq!(applied, Transition::Applied);
+        assert!(matches!(
+            claim(&store, &name, &long).await,
+            Ok(Claim::Completed(_))
+        ));
+        assert!(store.get(&key(&name)).await.expect("get").is_some());
+        let released = acquire(&store, &format!("released-{i}"), &long).await;
+        store
+            .release(&key(&format!("released-{i}")), released)
+            .await
+            .expect("release");
+        let lapsing = acquire(&store, &format!("lapsing-{i}"), &short).await;
+        store
+            .mark_ambiguous(&key(&format!("lapsing-{i}")), lapsing, Duration::from_secs(3600))
+            .await
+            .expect("mark ambiguous");
+        assert!(store.delete(&key(&name)).await.expect("delete"));
+    }
+    // Expired rows for the background deletion, which runs every 100 ms.
+    for i in 0..12 {
+        acquire(&store, &format!("expiring-{i}"), &short).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+    close(store, &raw).await;
+    let (whole_after, _) = scans(&raw).await;
+    assert_eq!(
+        whole_after - whole_before,
+        0,
+        "the store's statements read the whole table"
+    );
+}
+
+/// A deletion batch reads the rows it deletes, not every expired row: a backlog left by a
+/// long pause does not make each batch slower.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_batch_reads_only_the_rows_it_deletes() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.pool_size = 1;
+    config.sweep_batch = 50;
+    config.sweep_interval = Duration::from_secs(3600);
+    let raw = raw(&server).await;
+    // The table set up and its index built by a store closed again, so that its reads are
+    // counted before the measure starts.
+    close(connect(config.clone()).await, &raw).await;
+    let store = connect(config).await;
+    raw.batch_execute(
+        "INSERT INTO idemgate_records (key, state, fingerprint, stored_at, expires_at) \
+         SELECT sha256(i::text::bytea), 'ambiguous', sha256(i::text::bytea), \
+                now() - interval '2 hours', now() - interval '1 hour' \
+         FROM generate_series(1, 5000) AS i; \
+         ANALYZE idemgate_records",
+    )
+    .await
+    .expect("a backlog of expired rows");
+    let (whole_before, fetched_before) = scans(&raw).await;
+    for _ in 0..4 {
+        assert_eq!(
+            store.delete_expired().await.expect("delete_expired"),
+            Some(50)
+        );
+    }
+    close(store, &raw).await;
+    let (whole_after, fetched_after) = scans(&raw).await;
+    assert_eq!(
+        whole_after - whole_before,
+        0,
+        "a deletion batch read the whole table"
+    );
+    assert_eq!(row_count(&raw).await, 4_800);
+    // Each batch reads its 50 rows through the expiry index and again through the key's:
+    // 400 for four batches, and nothing like the 5 000 expired rows.
+    let fetched = fetched_after - fetched_before;
+    assert!(
+        fetched <= 4 * 2 * 50,
+        "four batches of 50 read {fetched} rows through indexes"
+    );
+}

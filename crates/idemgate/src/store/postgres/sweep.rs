@@ -15,16 +15,19 @@ pub(super) const SWEEP_LOCK: i64 = 0x6964_656d_6761_7466;
 pub(super) const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 
 /// `$1` the batch size. The oldest expired rows first, skipping any a claim is replacing
-/// right now (it holds their row lock); the expiry is checked again on the locked row.
+/// right now (it holds their row lock); the expiry is checked again on the locked row. The
+/// keys go to the delete as an array, which it looks up one by one in the key's index: with
+/// `IN (subquery)` PostgreSQL joins the batch against every expired row, so each batch read
+/// the whole backlog.
 pub(super) const DELETE_EXPIRED: &str = "
 DELETE FROM idemgate_records
-WHERE key IN (
+WHERE key = ANY (ARRAY(
     SELECT key FROM idemgate_records
     WHERE expires_at <= now()
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-) AND expires_at <= now()
+)) AND expires_at <= now()
 ";
 
 /// Starts the background deletion on the current Tokio runtime. It holds the store only

@@ -113,7 +113,10 @@ const _: () = assert!(
 /// [`timeout`](PostgresStoreConfig::timeout) — waiting for a connection, connecting and
 /// running its statement included — and fails with [`StoreError::Timeout`] once it passes;
 /// the same value is each session's `statement_timeout`, so the server stops working on a
-/// statement the gateway stopped waiting for. A connection that timed out is closed, never
+/// statement the gateway stopped waiting for. Sessions also run with `enable_seqscan = off`:
+/// a session keeps a statement's plan for its life, and a plan made while autovacuum had just
+/// emptied the table would otherwise read the whole table once it has grown again (every
+/// statement of the store has an index to use). A connection that timed out is closed, never
 /// reused. A connection the server closed is replaced at its next use: the gateway answers
 /// `503` while PostgreSQL is away and works again, without a restart, as soon as it is back.
 ///

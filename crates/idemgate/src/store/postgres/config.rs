@@ -155,8 +155,8 @@ struct InvalidUrl {
 
 /// The connection settings `config` describes, with the store's own additions: the password
 /// from [`PostgresStoreConfig::password`] when the URL has none, the store timeout as the
-/// connect timeout and as every session's `statement_timeout`, and `application_name`
-/// `idemgate` unless the URL names one.
+/// connect timeout and as every session's `statement_timeout`, `enable_seqscan = off`, and
+/// `application_name` `idemgate` unless the URL names one.
 pub(super) fn connection_config(
     config: &PostgresStoreConfig,
 ) -> Result<tokio_postgres::Config, StoreError> {

@@ -579,31 +579,12 @@ async fn two_stores_on_one_database_have_one_winner_per_key() {
 async fn a_dropped_store_closes_its_connections() {
     let server = PostgresServer::start();
     let raw = raw(&server).await;
-    let sessions = || async {
-        let count: i64 = raw
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
-                &[],
-            )
-            .await
-            .expect("count sessions")
-            .get(0);
-        count
-    };
     let store = connect(config(&server)).await;
     let clone = store.clone();
     store.ping().await.expect("ping");
-    assert!(sessions().await >= 1);
-    drop(store);
+    assert!(sessions(&raw).await >= 1);
     drop(clone);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while sessions().await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the store's sessions outlived it"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    close(store, &raw).await;
 }
 
 /// A claim that changes nothing (a replay, an answer of in flight) takes no lock and no
@@ -670,23 +651,26 @@ async fn scans(raw: &tokio_postgres::Client) -> (i64, i64) {
     (row.get(0), row.get(1))
 }
 
-/// Drops `store` and waits until its sessions have ended, so their reads are counted.
+/// How many sessions the gateway's stores have open on the server.
+async fn sessions(raw: &tokio_postgres::Client) -> i64 {
+    raw.query_one(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
+        &[],
+    )
+    .await
+    .expect("count sessions")
+    .get(0)
+}
+
+/// Drops `store`, the last handle to its pool, and waits until its sessions have ended.
 async fn close(store: PostgresStore, raw: &tokio_postgres::Client) {
     drop(store);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let sessions: i64 = raw
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
-                &[],
-            )
-            .await
-            .expect("count sessions")
-            .get(0);
-        if sessions == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the store's sessions outlived it");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sessions(raw).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the store's sessions outlived it"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -728,7 +712,12 @@ async fn statements_planned_on_a_nearly_empty_table_use_its_indexes() {
             .await
             .expect("renew");
         let applied = store
-            .complete(&key(&name), token, response(b"done"), Duration::from_secs(3600))
+            .complete(
+                &key(&name),
+                token,
+                response(b"done"),
+                Duration::from_secs(3600),
+            )
             .await
             .expect("complete");
         assert_eq!(applied, Transition::Applied);
@@ -744,7 +733,11 @@ async fn statements_planned_on_a_nearly_empty_table_use_its_indexes() {
             .expect("release");
         let lapsing = acquire(&store, &format!("lapsing-{i}"), &short).await;
         store
-            .mark_ambiguous(&key(&format!("lapsing-{i}")), lapsing, Duration::from_secs(3600))
+            .mark_ambiguous(
+                &key(&format!("lapsing-{i}")),
+                lapsing,
+                Duration::from_secs(3600),
+            )
             .await
             .expect("mark ambiguous");
         assert!(store.delete(&key(&name)).await.expect("delete"));

@@ -707,10 +707,11 @@ async fn statements_planned_on_a_nearly_empty_table_use_its_indexes() {
             claim(&store, &name, &long).await,
             Ok(Claim::InFlight { .. })
         ));
-        store
+        let renewed = store
             .renew(&key(&name), token, Duration::from_secs(30))
             .await
             .expect("renew");
+        assert_eq!(renewed, Transition::Applied);
         let applied = store
             .complete(
                 &key(&name),
@@ -727,19 +728,21 @@ async fn statements_planned_on_a_nearly_empty_table_use_its_indexes() {
         ));
         assert!(store.get(&key(&name)).await.expect("get").is_some());
         let released = acquire(&store, &format!("released-{i}"), &long).await;
-        store
+        let released = store
             .release(&key(&format!("released-{i}")), released)
             .await
             .expect("release");
-        let lapsing = acquire(&store, &format!("lapsing-{i}"), &short).await;
-        store
+        assert_eq!(released, Transition::Applied);
+        let marking = acquire(&store, &format!("ambiguous-{i}"), &long).await;
+        let marked = store
             .mark_ambiguous(
-                &key(&format!("lapsing-{i}")),
-                lapsing,
+                &key(&format!("ambiguous-{i}")),
+                marking,
                 Duration::from_secs(3600),
             )
             .await
             .expect("mark ambiguous");
+        assert_eq!(marked, Transition::Applied);
         assert!(store.delete(&key(&name)).await.expect("delete"));
     }
     // Expired rows for the background deletion, which runs every 100 ms.

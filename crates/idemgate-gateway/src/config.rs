@@ -160,6 +160,9 @@ pub struct FileConfig {
     /// Redis replicas that must hold a claim before its request is forwarded (`WAIT`); Redis
     /// and Redis Cluster stores only. Default 0.
     pub store_wait_replicas: Option<u32>,
+    /// Most connections the PostgreSQL store opens to its server; PostgreSQL stores only.
+    /// Default: the store's (16).
+    pub store_pool_size: Option<u32>,
     /// `reject` (fail closed, `503`) or `pass` (forward unprotected) when the store is down.
     pub on_store_error: Option<OnStoreError>,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
@@ -704,6 +707,8 @@ pub struct Settings {
     pub store_timeout: Duration,
     /// Redis replicas that must hold a claim before its request is forwarded; 0 for none.
     pub store_wait_replicas: u32,
+    /// Most connections a PostgreSQL store opens; `None` for the store's default.
+    pub store_pool_size: Option<usize>,
     /// What to do when the store fails.
     pub on_store_error: OnStoreError,
     /// Bound on the upstream's answer, and on each wait for more of its response body.
@@ -839,6 +844,7 @@ impl FileConfig {
                 format!("applies to a Redis or Redis Cluster store, and the store is {store}"),
             ));
         }
+        let store_pool_size = self.store_pool_size(&store)?;
         let ttl = self.ttl.map(|ttl| nonzero("ttl", ttl)).transpose()?;
         let admin_token = self.admin_token()?;
         let limits = self.limits.clone().unwrap_or_default().validate()?;
@@ -864,6 +870,7 @@ impl FileConfig {
             store,
             store_timeout: timeouts.store,
             store_wait_replicas,
+            store_pool_size,
             on_store_error: self.on_store_error.unwrap_or_default(),
             upstream_timeout: timeouts.upstream,
             upstream_connect_timeout: timeouts.upstream_connect,
@@ -904,6 +911,27 @@ impl FileConfig {
             )
         })?;
         Upstream::parse(upstream).map_err(|m| ConfigError::invalid("upstream", m))
+    }
+
+    /// `store_pool_size`: at least one connection, and only for a PostgreSQL store (the
+    /// others keep one multiplexed connection, or none).
+    fn store_pool_size(&self, store: &StoreSpec) -> Result<Option<usize>, ConfigError> {
+        let Some(size) = self.store_pool_size else {
+            return Ok(None);
+        };
+        if !matches!(store, StoreSpec::Postgres(_)) {
+            return Err(ConfigError::invalid(
+                "store_pool_size",
+                format!("applies to a PostgreSQL store, and the store is {store}"),
+            ));
+        }
+        if size == 0 {
+            return Err(ConfigError::invalid(
+                "store_pool_size",
+                "must be at least 1 connection",
+            ));
+        }
+        Ok(Some(size as usize))
     }
 
     /// The store and upstream timeouts, with their defaults and bounds.
@@ -2035,6 +2063,34 @@ mod tests {
                 .store_wait_replicas,
             0
         );
+    }
+
+    #[test]
+    fn a_pool_size_needs_a_postgres_store_and_one_connection() {
+        let up = "upstream = \"http://127.0.0.1:3000\"\n";
+        let pg = format!("{up}store = \"postgres://gw@127.0.0.1/app\"\n");
+        assert_eq!(
+            parse(&format!("{pg}store_pool_size = 4"))
+                .unwrap()
+                .store_pool_size,
+            Some(4)
+        );
+        assert_eq!(parse(&pg).unwrap().store_pool_size, None);
+        assert_eq!(
+            field_of(&format!("{pg}store_pool_size = 0")),
+            "store_pool_size"
+        );
+        assert_eq!(
+            field_of(&format!("{pg}store_pool_size = -1")),
+            "store_pool_size"
+        );
+        for other in ["memory", "redb:x.redb", "redis://127.0.0.1:6379"] {
+            assert_eq!(
+                field_of(&format!("{up}store = \"{other}\"\nstore_pool_size = 4")),
+                "store_pool_size",
+                "{other}"
+            );
+        }
     }
 
     #[test]

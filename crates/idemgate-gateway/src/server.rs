@@ -136,6 +136,9 @@ pub async fn open_store(settings: &Settings) -> Result<Arc<dyn Store>, RunError>
             // versions. The password comes from the URL or PGPASSWORD.
             let mut config = idemgate::store::PostgresStoreConfig::new(url.as_str());
             config.timeout = settings.store_timeout;
+            if let Some(size) = settings.store_pool_size {
+                config.pool_size = size;
+            }
             let store = idemgate::store::PostgresStore::connect_lazy(config).map_err(|source| {
                 RunError::Store {
                     spec: spec.to_string(),

@@ -12,6 +12,7 @@ mod shared_store;
 mod support;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shared_store::{IN_FLIGHT, OUTCOME_UNKNOWN, assert_store_unavailable};
@@ -340,6 +341,65 @@ async fn a_kill_9_loop_of_gateways_sharing_the_database_never_runs_a_key_twice()
         !orphaned.is_empty(),
         "no claim ever died with its gateway; the loop tested nothing"
     );
+}
+
+// ---- connections ---------------------------------------------------------------------------
+
+/// Sends 24 requests with distinct keys at once through `gw` (each held 200 ms upstream) and
+/// returns how many sessions the gateway then has open on `pg`: a pool keeps the connections
+/// it opened.
+async fn sessions_after_a_burst(gw: &Gateway, pg: &PostgresServer, path: &str) -> i64 {
+    let start = Arc::new(tokio::sync::Barrier::new(24));
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let url = gw.url(path);
+        let start = Arc::clone(&start);
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let k = format!("k-burst-{i}");
+            send("POST", &url, &[key(&k), ("x-delay-ms", "200")], "x").await
+        }));
+    }
+    for task in tasks {
+        let r = task.await.expect("request task");
+        assert_eq!(r.status, 201, "{}", r.text());
+    }
+    raw(pg)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate'",
+            &[],
+        )
+        .await
+        .expect("count the gateway's sessions")
+        .get(0)
+}
+
+/// `store_pool_size` caps the connections one gateway opens, so that the gateways sharing a
+/// database stay under its `max_connections`; requests beyond it wait for a connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn store_pool_size_caps_the_connections_a_gateway_opens() {
+    let pg = PostgresServer::start();
+    let upstream = TestUpstream::start().await;
+    let dir = TempDir::new();
+    let config = "store_timeout = \"5s\"\n";
+    let gw = Gateway::start_configured(&dir, &upstream, &pg.url(), config, &[]);
+    let by_default = sessions_after_a_burst(&gw, &pg, "/default").await;
+    assert!(
+        by_default > 2,
+        "the burst opens more than two connections by default: {by_default}"
+    );
+    drop(gw);
+
+    let pg = PostgresServer::start();
+    let capped = format!("{config}store_pool_size = 2\n");
+    let gw = Gateway::start_configured(&dir, &upstream, &pg.url(), &capped, &[]);
+    let with_two = sessions_after_a_burst(&gw, &pg, "/capped").await;
+    assert!(
+        (1..=2).contains(&with_two),
+        "store_pool_size = 2 opened {with_two} connections"
+    );
+    assert_eq!(upstream.hits("/capped"), 24, "each request ran once");
 }
 
 // ---- start-up -------------------------------------------------------------------------------

@@ -485,6 +485,43 @@ async fn the_background_task_deletes_expired_rows() {
     }
 }
 
+/// One background run deletes the whole backlog, batch after batch while they come back full:
+/// a cap on a run's batches would cap how many rows a second the table can lose, and past it
+/// the table would grow without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_background_run_deletes_the_whole_backlog() {
+    let server = PostgresServer::start();
+    let raw = raw(&server).await;
+    let mut config = config(&server);
+    config.sweep_batch = 100;
+    config.sweep_interval = Duration::from_secs(4);
+    // The table set up by a store closed again, so the backlog is there before the measured
+    // store starts.
+    close(connect(config.clone()).await, &raw).await;
+    raw.batch_execute(
+        "INSERT INTO idemgate_records (key, state, fingerprint, stored_at, expires_at) \
+         SELECT sha256(i::text::bytea), 'ambiguous', sha256(i::text::bytea), \
+                now() - interval '2 hours', now() - interval '1 hour' \
+         FROM generate_series(1, 3000) AS i",
+    )
+    .await
+    .expect("a backlog of 30 batches of expired rows");
+    let store = connect(config).await;
+    let started = Instant::now();
+    // The first run starts one interval after the store, the second two intervals after it:
+    // the whole backlog must be gone before then.
+    let mut left = row_count(&raw).await;
+    while left > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(7),
+            "{left} of 3000 expired rows left before the second run"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = row_count(&raw).await;
+    }
+    drop(store);
+}
+
 /// libfaketime, from Debian's `faketime` package (`.ci/install-deps` installs it).
 const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 

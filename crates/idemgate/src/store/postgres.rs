@@ -83,8 +83,9 @@ const _: () = assert!(
 /// gateways with skewed clocks still agree.
 ///
 /// Expired rows are never returned, and are deleted in batches of
-/// [`sweep_batch`](PostgresStoreConfig::sweep_batch) through the index on `expires_at` by
-/// a background task every [`sweep_interval`](PostgresStoreConfig::sweep_interval), by one
+/// [`sweep_batch`](PostgresStoreConfig::sweep_batch), one after another while they come
+/// back full, through the index on `expires_at` by a background task every
+/// [`sweep_interval`](PostgresStoreConfig::sweep_interval), by one
 /// gateway at a time (`pg_try_advisory_xact_lock`); see
 /// [`delete_expired`](Self::delete_expired).
 ///
@@ -237,11 +238,7 @@ impl PostgresStore {
             sweep_batch: config.sweep_batch.max(1),
             schema: schema::Check::default(),
         });
-        sweep::spawn_sweeper(
-            Arc::downgrade(&inner),
-            config.sweep_interval,
-            PostgresStoreConfig::SWEEP_BATCHES_PER_RUN,
-        );
+        sweep::spawn_sweeper(Arc::downgrade(&inner), config.sweep_interval);
         Ok(Self { inner })
     }
 
@@ -249,7 +246,8 @@ impl PostgresStore {
     /// [`sweep_batch`](PostgresStoreConfig::sweep_batch)) and returns how many it deleted:
     /// `Some(0)` when none had expired, `None` when another gateway is deleting right now
     /// (one gateway at a time holds the advisory lock). The background task calls it every
-    /// [`sweep_interval`](PostgresStoreConfig::sweep_interval); expired records are never
+    /// [`sweep_interval`](PostgresStoreConfig::sweep_interval), again and again while it
+    /// deletes a full batch; expired records are never
     /// returned meanwhile, so calling it only frees space sooner.
     ///
     /// ```no_run

@@ -47,8 +47,8 @@ pub struct PostgresStoreConfig {
     /// Pause between two runs of the background deletion of expired records. Default
     /// [`DEFAULT_SWEEP_INTERVAL`](Self::DEFAULT_SWEEP_INTERVAL).
     pub sweep_interval: Duration,
-    /// Most expired records one deletion removes (one short transaction); a run deletes up
-    /// to [`SWEEP_BATCHES_PER_RUN`](Self::SWEEP_BATCHES_PER_RUN) such batches. Default
+    /// Most expired records one deletion removes (one short transaction); a run deletes such
+    /// batches one after another while they come back full. Default
     /// [`DEFAULT_SWEEP_BATCH`](Self::DEFAULT_SWEEP_BATCH).
     pub sweep_batch: u32,
 }
@@ -64,9 +64,6 @@ impl PostgresStoreConfig {
     pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
     /// The default [`sweep_batch`](Self::sweep_batch).
     pub const DEFAULT_SWEEP_BATCH: u32 = 1_000;
-    /// Most batches one background sweep run deletes, so a backlog is worked off over
-    /// several runs instead of holding a connection for long.
-    pub const SWEEP_BATCHES_PER_RUN: u32 = 10;
 
     /// Settings for the PostgreSQL at `url`, the password from `PGPASSWORD` if it is set,
     /// everything else at its default.

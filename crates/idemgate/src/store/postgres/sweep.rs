@@ -30,9 +30,12 @@ WHERE key = ANY (ARRAY(
 )) AND expires_at <= now()
 ";
 
-/// Starts the background deletion on the current Tokio runtime. It holds the store only
-/// while a run lasts, so it ends once the last handle to the store is dropped.
-pub(super) fn spawn_sweeper(inner: Weak<Inner>, interval: Duration, batches_per_run: u32) {
+/// Starts the background deletion on the current Tokio runtime: every `interval`, a run that
+/// deletes batch after batch for as long as they come back full, so deletion keeps up however
+/// fast records expire (a cap on the batches of a run capped how many rows a second the table
+/// could lose, and past it the table grew without bound). It holds the store for one batch at
+/// a time, so it ends once the last handle to the store is dropped.
+pub(super) fn spawn_sweeper(inner: Weak<Inner>, interval: Duration) {
     let interval = interval.max(Duration::from_millis(10));
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(interval);
@@ -40,10 +43,10 @@ pub(super) fn spawn_sweeper(inner: Weak<Inner>, interval: Duration, batches_per_
         ticks.tick().await;
         loop {
             ticks.tick().await;
-            let Some(inner) = inner.upgrade() else {
-                return;
-            };
-            for _ in 0..batches_per_run {
+            loop {
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
                 match inner.delete_expired_batch().await {
                     Ok(Some(deleted)) if deleted >= u64::from(inner.sweep_batch) => continue,
                     Ok(_) => break,

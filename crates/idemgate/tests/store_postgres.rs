@@ -843,3 +843,30 @@ async fn a_deletion_batch_reads_only_the_rows_it_deletes() {
         "four batches of 50 read {fetched} rows through indexes"
     );
 }
+
+/// Behind PgBouncer, which refuses the `options` startup parameter (and drops it, with
+/// `ignore_startup_parameters = options`), the store does not run: its sessions would have no
+/// statement timeout and plans that read the whole table. Either way the error says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooler_that_drops_the_sessions_options_is_refused() {
+    let server = PostgresServer::start();
+    for (ignore, why) in [
+        ("", "unsupported startup parameter: options"),
+        (
+            "options",
+            "a pooler between the gateway and PostgreSQL dropped them",
+        ),
+    ] {
+        let bouncer = server.pgbouncer("transaction", ignore);
+        let mut config = PostgresStoreConfig::new(bouncer.url());
+        config.password = None;
+        config.timeout = Duration::from_secs(5);
+        match PostgresStore::connect(config).await {
+            Ok(_) => panic!(
+                "connected through pgbouncer with ignore_startup_parameters = '{ignore}'; its log:\n{}",
+                bouncer.log()
+            ),
+            Err(e) => assert!(chain(&e).contains(why), "{}", chain(&e)),
+        }
+    }
+}

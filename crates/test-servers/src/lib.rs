@@ -6,7 +6,7 @@ pub mod postgres;
 pub mod redis;
 pub mod redis_cluster;
 
-pub use postgres::PostgresServer;
+pub use postgres::{PgBouncer, PostgresServer};
 pub use redis::RedisServer;
 pub use redis_cluster::RedisCluster;
 

@@ -346,3 +346,101 @@ fn binary(name: &str) -> PathBuf {
         ),
     }
 }
+
+/// PgBouncer (Debian's `pgbouncer`) in front of one [`PostgresServer`], in a temporary
+/// directory, on a free loopback port, stopped (by its own pid) when dropped. As root it runs
+/// as `nobody`, as the server does.
+#[derive(Debug)]
+pub struct PgBouncer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl PostgresServer {
+    /// Starts PgBouncer in front of this server with `pool_mode` (`session`, `transaction`)
+    /// and `ignore_startup_parameters` set to `ignore` (empty: none).
+    pub fn pgbouncer(&self, pool_mode: &str, ignore: &str) -> PgBouncer {
+        let dir = self.dir.join("pgbouncer");
+        std::fs::create_dir_all(&dir).expect("create pgbouncer's directory");
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").expect("write users.txt");
+        for _ in 0..5 {
+            let port = free_port();
+            let ini = format!(
+                "[databases]\n* = host=127.0.0.1 port={server}\n\
+                 [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\n\
+                 unix_socket_dir =\nauth_type = trust\nauth_file = {users}\n\
+                 pool_mode = {pool_mode}\nignore_startup_parameters = {ignore}\n\
+                 logfile = {log}\n",
+                server = self.port,
+                users = dir.join("users.txt").display(),
+                log = dir.join("pgbouncer.log").display(),
+            );
+            std::fs::write(dir.join("pgbouncer.ini"), ini).expect("write pgbouncer.ini");
+            hand_over(&dir);
+            let child = unprivileged(&pgbouncer_binary(), &[])
+                .arg(dir.join("pgbouncer.ini"))
+                .current_dir(&dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot run pgbouncer: {e}"));
+            let mut bouncer = PgBouncer {
+                child: Some(child),
+                port,
+                dir: dir.clone(),
+            };
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            if crate::wait_until_ready(&mut bouncer.child, READY_WITHIN, || {
+                TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+            }) {
+                return bouncer;
+            }
+        }
+        panic!(
+            "pgbouncer did not start; its log:\n{}",
+            std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default()
+        );
+    }
+}
+
+impl PgBouncer {
+    /// `postgres://postgres@127.0.0.1:PORT/postgres?sslmode=disable`, through PgBouncer.
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+            self.port
+        )
+    }
+
+    /// What PgBouncer logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `pgbouncer` on `PATH`, or in `/usr/sbin` (Debian's place, off a user's `PATH`).
+fn pgbouncer_binary() -> PathBuf {
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("pgbouncer"))
+            .find(|candidate| candidate.is_file())
+    });
+    let found = on_path.unwrap_or_else(|| PathBuf::from("/usr/sbin/pgbouncer"));
+    assert!(
+        found.is_file(),
+        "pgbouncer is not on PATH nor in /usr/sbin: run .ci/install-deps (installs Debian's \
+         pgbouncer)"
+    );
+    found
+}

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
+use deadpool_postgres::{Hook, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
@@ -117,7 +117,10 @@ const _: () = assert!(
 /// statement the gateway stopped waiting for. Sessions also run with `enable_seqscan = off`:
 /// a session keeps a statement's plan for its life, and a plan made while autovacuum had just
 /// emptied the table would otherwise read the whole table once it has grown again (every
-/// statement of the store has an index to use). A connection that timed out is closed, never
+/// statement of the store has an index to use). Both come as the session's startup
+/// `options`; each new session is checked for `enable_seqscan = off` and refused without it,
+/// as behind a pooler that drops the options silently (PgBouncer with
+/// `ignore_startup_parameters = options`). A connection that timed out is closed, never
 /// reused. A connection the server closed is replaced at its next use: the gateway answers
 /// `503` while PostgreSQL is away and works again, without a restart, as soon as it is back.
 ///
@@ -229,6 +232,9 @@ impl PostgresStore {
         );
         let pool = Pool::builder(manager)
             .max_size(config.pool_size.max(1))
+            .post_create(Hook::async_fn(|client, _| {
+                Box::pin(async move { config::check_session(client).await })
+            }))
             .build()
             .map_err(|e| server_error(&server, "cannot build the pool", Some(Box::new(e))))?;
         let inner = Arc::new(Inner {

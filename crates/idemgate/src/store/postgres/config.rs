@@ -201,6 +201,29 @@ pub(super) fn connection_config(
     Ok(pg)
 }
 
+/// Checks that a new session runs with the settings [`connection_config`] asks for: a pooler
+/// between the store and PostgreSQL (PgBouncer with `ignore_startup_parameters = options`)
+/// drops them without a word, and its sessions would then run without `statement_timeout`
+/// and with plans that read the whole table. Such a session is refused, naming the cause.
+pub(super) async fn check_session(
+    client: &mut deadpool_postgres::ClientWrapper,
+) -> Result<(), deadpool_postgres::HookError> {
+    let row = client
+        .query_one("SELECT current_setting('enable_seqscan')", &[])
+        .await
+        .map_err(deadpool_postgres::HookError::Backend)?;
+    let enable_seqscan: &str = row.get(0);
+    if enable_seqscan == "off" {
+        return Ok(());
+    }
+    Err(deadpool_postgres::HookError::message(
+        "the session runs without the options the store connected with \
+         (-c statement_timeout=… -c enable_seqscan=off): a pooler between the gateway and \
+         PostgreSQL dropped them (PgBouncer's ignore_startup_parameters = options?); connect \
+         to PostgreSQL directly",
+    ))
+}
+
 /// `sslmode=verify-full` becomes `require` (every TLS connection here is verified as
 /// `verify-full` asks); `verify-ca` is refused, as its weaker check cannot be had.
 fn normalise_sslmode(url: &str) -> Result<std::borrow::Cow<'_, str>, &'static str> {

@@ -498,14 +498,7 @@ async fn one_background_run_deletes_the_whole_backlog() {
     // The table set up by a store closed again, so the backlog is there before the measured
     // store starts.
     close(connect(config.clone()).await, &raw).await;
-    raw.batch_execute(
-        "INSERT INTO idemgate_records (key, state, fingerprint, stored_at, expires_at) \
-         SELECT sha256(i::text::bytea), 'ambiguous', sha256(i::text::bytea), \
-                now() - interval '2 hours', now() - interval '1 hour' \
-         FROM generate_series(1, 3000) AS i",
-    )
-    .await
-    .expect("a backlog of 30 batches of expired rows");
+    expired_backlog(&raw, 3_000).await;
     let store = connect(config).await;
     let started = Instant::now();
     // The first run starts one interval after the store, the second two intervals after it:
@@ -688,6 +681,19 @@ async fn scans(raw: &tokio_postgres::Client) -> (i64, i64) {
     (row.get(0), row.get(1))
 }
 
+/// Writes `rows` records that expired an hour ago straight into the table.
+async fn expired_backlog(raw: &tokio_postgres::Client, rows: i32) {
+    raw.execute(
+        "INSERT INTO idemgate_records (key, state, fingerprint, stored_at, expires_at) \
+         SELECT sha256(i::text::bytea), 'ambiguous', sha256(i::text::bytea), \
+                now() - interval '2 hours', now() - interval '1 hour' \
+         FROM generate_series(1, $1) AS i",
+        &[&rows],
+    )
+    .await
+    .expect("a backlog of expired rows");
+}
+
 /// How many sessions the gateway's stores have open on the server.
 async fn sessions(raw: &tokio_postgres::Client) -> i64 {
     raw.query_one(
@@ -811,15 +817,10 @@ async fn a_deletion_batch_reads_only_the_rows_it_deletes() {
     // counted before the measure starts.
     close(connect(config.clone()).await, &raw).await;
     let store = connect(config).await;
-    raw.batch_execute(
-        "INSERT INTO idemgate_records (key, state, fingerprint, stored_at, expires_at) \
-         SELECT sha256(i::text::bytea), 'ambiguous', sha256(i::text::bytea), \
-                now() - interval '2 hours', now() - interval '1 hour' \
-         FROM generate_series(1, 5000) AS i; \
-         ANALYZE idemgate_records",
-    )
-    .await
-    .expect("a backlog of expired rows");
+    expired_backlog(&raw, 5_000).await;
+    raw.batch_execute("ANALYZE idemgate_records")
+        .await
+        .expect("analyze the table");
     let (whole_before, fetched_before) = scans(&raw).await;
     for _ in 0..4 {
         assert_eq!(

@@ -315,12 +315,7 @@ fn unprivileged(program: &Path, env: &[(String, String)]) -> Command {
 
 /// `name` on `PATH`, or else in the newest `/usr/lib/postgresql/*/bin` (Debian's place).
 fn binary(name: &str) -> PathBuf {
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join(name))
-            .find(|candidate| candidate.is_file())
-    });
-    if let Some(found) = on_path {
+    if let Some(found) = on_path(name) {
         return found;
     }
     let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
@@ -431,16 +426,20 @@ impl Drop for PgBouncer {
 
 /// `pgbouncer` on `PATH`, or in `/usr/sbin` (Debian's place, off a user's `PATH`).
 fn pgbouncer_binary() -> PathBuf {
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("pgbouncer"))
-            .find(|candidate| candidate.is_file())
-    });
-    let found = on_path.unwrap_or_else(|| PathBuf::from("/usr/sbin/pgbouncer"));
+    let found = on_path("pgbouncer").unwrap_or_else(|| PathBuf::from("/usr/sbin/pgbouncer"));
     assert!(
         found.is_file(),
         "pgbouncer is not on PATH nor in /usr/sbin: run .ci/install-deps (installs Debian's \
          pgbouncer)"
     );
     found
+}
+
+/// `name` in a directory of `PATH`, if there.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    })
 }

@@ -862,12 +862,25 @@ async fn a_pooler_that_drops_the_sessions_options_is_refused() {
         let mut config = PostgresStoreConfig::new(bouncer.url());
         config.password = None;
         config.timeout = Duration::from_secs(5);
-        match PostgresStore::connect(config).await {
+        match PostgresStore::connect(config.clone()).await {
             Ok(_) => panic!(
                 "connected through pgbouncer with ignore_startup_parameters = '{ignore}'; its log:\n{}",
                 bouncer.log()
             ),
             Err(e) => assert!(chain(&e).contains(why), "{}", chain(&e)),
+        }
+        // Many sessions opened at once, as under traffic: PgBouncer then spreads each one's
+        // statements over its server connections, and every refusal still says why.
+        let lazy = PostgresStore::connect_lazy(config).expect("a lazily connected store");
+        let calls = (0..20).map(|_| {
+            let store = lazy.clone();
+            tokio::spawn(async move { store.ping().await })
+        });
+        for call in calls.collect::<Vec<_>>() {
+            match call.await.expect("ping task") {
+                Ok(()) => panic!("a session through pgbouncer was used ('{ignore}')"),
+                Err(e) => assert!(chain(&e).contains(why), "{}", chain(&e)),
+            }
         }
     }
 }

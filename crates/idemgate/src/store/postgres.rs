@@ -12,7 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use deadpool_postgres::{Hook, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
+use deadpool_postgres::{
+    Hook, HookError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod,
+};
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::Row;
 use tokio_postgres::error::SqlState;
@@ -321,7 +323,16 @@ impl Inner {
         self.schema.recent_refusal(&self.server)?;
         let mut client = match timeout_at(deadline, self.pool.get()).await {
             Ok(Ok(client)) => client,
-            Ok(Err(PoolError::Backend(e))) => return Err(self.pg_error(e)),
+            Ok(Err(PoolError::Backend(e) | PoolError::PostCreateHook(HookError::Backend(e)))) => {
+                return Err(self.pg_error(e));
+            }
+            Ok(Err(PoolError::PostCreateHook(HookError::Message(why)))) => {
+                return Err(server_error(
+                    &self.server,
+                    "session refused",
+                    Some(why.into_owned().into()),
+                ));
+            }
             Ok(Err(PoolError::Timeout(_))) | Err(_) => return Err(self.timeout_error()),
             Ok(Err(e)) => {
                 return Err(server_error(

@@ -208,12 +208,17 @@ pub(super) fn connection_config(
 pub(super) async fn check_session(
     client: &mut deadpool_postgres::ClientWrapper,
 ) -> Result<(), deadpool_postgres::HookError> {
-    let row = client
-        .query_one("SELECT current_setting('enable_seqscan')", &[])
+    // The simple protocol: a pooler in transaction mode may run a prepared statement's
+    // execution on another server connection than its preparation.
+    let answer = client
+        .simple_query("SHOW enable_seqscan")
         .await
         .map_err(deadpool_postgres::HookError::Backend)?;
-    let enable_seqscan: &str = row.get(0);
-    if enable_seqscan == "off" {
+    let enable_seqscan = answer.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
+        _ => None,
+    });
+    if enable_seqscan == Some("off") {
         return Ok(());
     }
     Err(deadpool_postgres::HookError::message(

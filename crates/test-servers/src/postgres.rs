@@ -85,10 +85,7 @@ impl PostgresServer {
 
     /// The URL of database `dbname` on this server.
     pub fn url_for(&self, dbname: &str) -> String {
-        format!(
-            "postgres://postgres@127.0.0.1:{}/{dbname}?sslmode=disable",
-            self.port
-        )
+        local_url(self.port, dbname)
     }
 
     /// The port the server listens on (kept across restarts).
@@ -403,10 +400,7 @@ impl PostgresServer {
 impl PgBouncer {
     /// `postgres://postgres@127.0.0.1:PORT/postgres?sslmode=disable`, through PgBouncer.
     pub fn url(&self) -> String {
-        format!(
-            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
-            self.port
-        )
+        local_url(self.port, "postgres")
     }
 
     /// What PgBouncer logged so far.
@@ -442,4 +436,9 @@ fn on_path(name: &str) -> Option<PathBuf> {
             .map(|dir| dir.join(name))
             .find(|candidate| candidate.is_file())
     })
+}
+
+/// The URL of database `dbname` as `postgres`, without TLS, on loopback port `port`.
+fn local_url(port: u16, dbname: &str) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/{dbname}?sslmode=disable")
 }

@@ -625,17 +625,7 @@ async fn answers_that_change_nothing_write_nothing() {
     let store = connect(config(&server)).await;
     let raw = raw(&server).await;
     let long = options(Duration::from_secs(30), Duration::from_secs(3600));
-    let token = acquire(&store, "replayed", &long).await;
-    let applied = store
-        .complete(
-            &key("replayed"),
-            token,
-            response(b"once"),
-            Duration::from_secs(3600),
-        )
-        .await
-        .expect("complete");
-    assert_eq!(applied, Transition::Applied);
+    completed(&store, "replayed", &long).await;
     acquire(&store, "running", &long).await;
 
     let next_xid = || async {
@@ -664,6 +654,189 @@ async fn answers_that_change_nothing_write_nothing() {
         "100 claims that changed nothing used {} transaction ids",
         after - before - 1
     );
+}
+
+/// Claims `name` and completes it with a response kept an hour.
+async fn completed(store: &PostgresStore, name: &str, options: &ClaimOptions) {
+    let token = acquire(store, name, options).await;
+    let applied = store
+        .complete(
+            &key(name),
+            token,
+            response(b"once"),
+            Duration::from_secs(3600),
+        )
+        .await
+        .expect("complete");
+    assert_eq!(applied, Transition::Applied);
+}
+
+/// Claims a store sees answered without a write, one after another.
+async fn retries(store: &PostgresStore, name: &str, options: &ClaimOptions, count: usize) {
+    for _ in 0..count {
+        let answer = claim(store, name, options).await;
+        assert!(
+            matches!(answer, Ok(Claim::Completed(_) | Claim::InFlight { .. })),
+            "{answer:?}"
+        );
+    }
+}
+
+/// Once retries are common, claims that change nothing share one connection, whatever their
+/// number: 64 concurrent replays leave the session the store's set-up and first claims used
+/// and one for the reads, where each would otherwise take a pooled connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_replays_share_one_connection() {
+    let server = PostgresServer::start();
+    let raw = raw(&server).await;
+    let store = connect(config(&server)).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    completed(&store, "replayed", &long).await;
+    retries(&store, "replayed", &long, 12).await;
+    assert_eq!(sessions(&raw).await, 1, "one session before the replays");
+
+    for round in 0..3 {
+        let replays: Vec<_> = (0..64)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { claim(&store, "replayed", &long).await })
+            })
+            .collect();
+        for replay in replays {
+            let replay = replay.await;
+            let answer = replay.expect("the replay's task");
+            assert!(
+                matches!(answer, Ok(Claim::Completed(_))),
+                "round {round}: {answer:?}"
+            );
+        }
+    }
+    let open = sessions(&raw).await;
+    assert!(open <= 2, "192 replays left {open} sessions open");
+    close(store, &raw).await;
+}
+
+/// Once retries are common, reads do not wait for a pooled connection: with every connection
+/// for writes held by a statement waiting on a row lock, a replay and an answer of in flight
+/// still come at once (as while a disk stall holds every commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_are_answered_while_every_write_waits() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.pool_size = 2;
+    let store = connect(config).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    completed(&store, "replayed", &long).await;
+    let held: Vec<(String, OwnerToken)> = {
+        let mut held = Vec::new();
+        for i in 0..2 {
+            let name = format!("held-{i}");
+            let token = acquire(&store, &name, &long).await;
+            held.push((name, token));
+        }
+        held
+    };
+    retries(&store, "replayed", &long, 12).await;
+
+    // A transaction of its own locks the held records' rows; their completions wait for it.
+    let mut locker = raw(&server).await;
+    let lock = locker.transaction().await.expect("begin");
+    lock.execute(
+        "SELECT 1 FROM idemgate_records WHERE key = ANY($1) FOR UPDATE",
+        &[&held
+            .iter()
+            .map(|(name, _)| key(name).0.to_vec())
+            .collect::<Vec<_>>()],
+    )
+    .await
+    .expect("lock the held rows");
+    let completions: Vec<_> = held
+        .iter()
+        .map(|(name, token)| {
+            let (store, name, token) = (store.clone(), name.clone(), *token);
+            tokio::spawn(async move {
+                store
+                    .complete(
+                        &key(&name),
+                        token,
+                        response(b"late"),
+                        Duration::from_secs(3600),
+                    )
+                    .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        completions.iter().all(|c| !c.is_finished()),
+        "the completions must be waiting on the lock"
+    );
+
+    let started = Instant::now();
+    let replay = tokio::time::timeout(Duration::from_secs(2), claim(&store, "replayed", &long))
+        .await
+        .expect("a replay must not wait for the writes");
+    assert!(matches!(replay, Ok(Claim::Completed(_))), "{replay:?}");
+    let running = tokio::time::timeout(Duration::from_secs(2), claim(&store, "held-0", &long))
+        .await
+        .expect("an answer of in flight must not wait for the writes");
+    assert!(matches!(running, Ok(Claim::InFlight { .. })), "{running:?}");
+    let record = tokio::time::timeout(Duration::from_secs(2), store.get(&key("replayed")))
+        .await
+        .expect("a read of a record must not wait for the writes");
+    assert!(
+        matches!(record, Ok(Some(Record::Completed { .. }))),
+        "{record:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    lock.commit().await.expect("release the rows");
+    for completion in completions {
+        let applied = completion
+            .await
+            .expect("the completion's task")
+            .expect("complete once the lock is gone");
+        assert_eq!(applied, Transition::Applied);
+    }
+}
+
+/// A claim that read first and found a record that must change still changes it, through the
+/// claim statement: an expired record is taken over, a lapsed lease turns ambiguous (under
+/// `Ambiguous`), and a different fingerprint is a mismatch, answered from the read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_first_still_changes_what_must_change() {
+    let server = PostgresServer::start();
+    let store = connect(config(&server)).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    completed(&store, "replayed", &long).await;
+    let brief = options(Duration::from_millis(300), Duration::from_millis(300));
+    acquire(&store, "expiring", &brief).await;
+    let lapsing = options(Duration::from_millis(300), Duration::from_secs(3600));
+    acquire(&store, "lapsing", &lapsing).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Enough that the two claims below that must write leave reading first on.
+    retries(&store, "replayed", &long, 20).await;
+
+    let mismatch = store
+        .claim(
+            &key("replayed"),
+            &fingerprint("another request"),
+            OwnerToken::generate(),
+            &long,
+        )
+        .await;
+    assert!(matches!(mismatch, Ok(Claim::Mismatch)), "{mismatch:?}");
+    assert!(
+        matches!(
+            claim(&store, "expiring", &long).await,
+            Ok(Claim::Acquired(_))
+        ),
+        "an expired record is taken over"
+    );
+    let lapsed = claim(&store, "lapsing", &lapsing).await;
+    assert!(matches!(lapsed, Ok(Claim::Ambiguous)), "{lapsed:?}");
+    let after = claim(&store, "lapsing", &lapsing).await;
+    assert!(matches!(after, Ok(Claim::Ambiguous)), "{after:?}");
 }
 
 /// The table's scan counters: how many times it was read whole, and how many rows were read

@@ -4,6 +4,7 @@
 
 mod claim;
 mod config;
+mod reader;
 mod schema;
 mod sweep;
 
@@ -78,7 +79,10 @@ const _: () = assert!(
 /// WHERE` the record expired or its lease lapsed, `… RETURNING`, with a read of the record in
 /// the same statement that answers when nothing is to change (a replay, a request in flight,
 /// a mismatch) without writing or locking anything, so such answers wait for no WAL flush; it
-/// translates the decision every store shares (see `src/store/decision.rs`). Complete, release, renew and mark-ambiguous are each an
+/// translates the decision every store shares (see `src/store/decision.rs`). While retries
+/// are common (see below), a claim first reads the record with a plain `SELECT` and answers
+/// from it when the claim would change nothing, running the claim statement, which judges
+/// the row again itself, only when the record must change. Complete, release, renew and mark-ambiguous are each an
 /// `UPDATE` (or `DELETE`) `… WHERE owner = $token AND state = 'in_flight'` on a live record.
 /// The gateway never reads a record and then writes it. Every time — leases, expiry, the
 /// times [`get`](Store::get) reports — is the database's `now()`, never a gateway's clock, so
@@ -112,7 +116,14 @@ const _: () = assert!(
 /// # Connections and timeouts
 ///
 /// A pool of up to [`pool_size`](PostgresStoreConfig::pool_size) connections
-/// (`deadpool-postgres`). Each call is bounded by
+/// (`deadpool-postgres`). Each write has a connection to itself, so commits waiting for
+/// their WAL flush share one flush across sessions. Reads (a claim's first read, and
+/// [`get`](Store::get)) share one of the pool's connections, pipelined, when the pool has two
+/// or more: reading first pays while at least about every other recent claim found a record
+/// that answers it without a write (a replay, a request in flight, a mismatch), and claims
+/// read first only then; such answers then wait for no pooled connection, and keep coming
+/// while every write waits. Traffic of mostly new keys goes straight to the claim statement.
+/// Each call is bounded by
 /// [`timeout`](PostgresStoreConfig::timeout) — waiting for a connection, connecting and
 /// running its statement included — and fails with [`StoreError::Timeout`] once it passes;
 /// the same value is each session's `statement_timeout`, so the server stops working on a
@@ -144,6 +155,12 @@ struct Inner {
     sweep_batch: u32,
     /// Whether the tables are set up on the server (see [`schema::Check`]).
     schema: schema::Check,
+    /// The connection reads share (see [`reader`]); unused with a pool of one connection,
+    /// where it would leave none for writes.
+    reader: reader::Slot,
+    shared_reads: bool,
+    /// Whether claims read first, from what recent claims found.
+    read_hits: reader::ReadHits,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -232,8 +249,9 @@ impl PostgresStore {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
+        let pool_size = config.pool_size.max(1);
         let pool = Pool::builder(manager)
-            .max_size(config.pool_size.max(1))
+            .max_size(pool_size)
             .post_create(Hook::async_fn(|client, _| {
                 Box::pin(async move { config::check_session(client).await })
             }))
@@ -245,6 +263,9 @@ impl PostgresStore {
             server,
             sweep_batch: config.sweep_batch.max(1),
             schema: schema::Check::default(),
+            reader: reader::Slot::default(),
+            shared_reads: pool_size > 1,
+            read_hits: reader::ReadHits::default(),
         });
         sweep::spawn_sweeper(Arc::downgrade(&inner), config.sweep_interval);
         Ok(Self { inner })
@@ -311,6 +332,45 @@ impl Inner {
             Ok(rows) => rows.map_err(|e| self.pg_error(e)),
             Err(_) => {
                 drop(Object::take(client));
+                Err(self.timeout_error())
+            }
+        }
+    }
+
+    /// Runs the read-only `sql` with `params` on the shared reader (see [`reader`]), pipelined
+    /// with the other calls' reads, by `deadline`; on a pooled connection of its own when
+    /// the pool has one connection.
+    async fn read(
+        &self,
+        deadline: Instant,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        if !self.shared_reads {
+            return self.query(deadline, sql, params).await;
+        }
+        let open = async { self.client(deadline).await };
+        let reader = match timeout_at(deadline, self.reader.get(open)).await {
+            Ok(reader) => reader?,
+            Err(_) => return Err(self.timeout_error()),
+        };
+        let run = async {
+            let statement = reader.prepare_cached(sql).await?;
+            reader.query(&statement, params).await
+        };
+        match timeout_at(deadline, run).await {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => {
+                if reader.is_closed() {
+                    self.reader.forget(&reader);
+                }
+                Err(self.pg_error(e))
+            }
+            Err(_) => {
+                // The calls pipelined behind this one would wait for it too: the next reads
+                // go to another connection, and this one is closed once its last read ends.
+                reader.discard();
+                self.reader.forget(&reader);
                 Err(self.timeout_error())
             }
         }
@@ -506,9 +566,27 @@ impl Store for PostgresStore {
             &ttl,
             &retry,
         ];
-        for _ in 0..claim::ATTEMPTS {
+        // While retries are common, the record as it is, read without a write: when the
+        // claim would change nothing (a replay, a request in flight, a mismatch) it answers.
+        let read_first = self.inner.read_hits.read_first();
+        if read_first {
+            let rows = self
+                .inner
+                .read(deadline, claim::FOUND, &params[..2])
+                .await?;
+            let answer = claim::read(&rows, token, options.on_lapse)?;
+            let answered = matches!(answer, claim::Answer::Claim(_));
+            self.inner.read_hits.record(answered);
+            if let claim::Answer::Claim(answer) = answer {
+                return Ok(answer);
+            }
+        }
+        for attempt in 0..claim::ATTEMPTS {
             let rows = self.inner.query(deadline, claim::CLAIM, &params).await?;
             if let claim::Answer::Claim(answer) = claim::read(&rows, token, options.on_lapse)? {
+                if !read_first && attempt == 0 {
+                    self.inner.read_hits.record(!claim::wrote(&rows));
+                }
                 return Ok(answer);
             }
         }
@@ -568,7 +646,7 @@ impl Store for PostgresStore {
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StoreError> {
         let rows = self
             .inner
-            .query(self.inner.deadline(), GET, &[&&key.0[..]])
+            .read(self.inner.deadline(), GET, &[&&key.0[..]])
             .await?;
         rows.first().map(decode_record).transpose()
     }

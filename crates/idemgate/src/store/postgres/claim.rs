@@ -82,6 +82,18 @@ FROM found
 WHERE NOT EXISTS (SELECT FROM written)
 ";
 
+/// Parameters: `$1` key, `$2` fingerprint. The record as [`CLAIM`]'s read sees it, in the
+/// shape of its answer rows, for a read-only first look: [`read`] answers from it when
+/// [`decide`] would change nothing, and asks for [`CLAIM`] otherwise (no row, an expired
+/// record, a lapsed lease). The claim never writes on the strength of it: [`CLAIM`] judges
+/// the row again itself.
+pub(super) const FOUND: &str = "
+SELECT false, state, fingerprint = $2::bytea, false,
+       lease_deadline, expires_at,
+       CASE WHEN state = 'completed' AND fingerprint = $2::bytea THEN body END, now()
+FROM idemgate_records WHERE key = $1::bytea
+";
+
 /// How many times a claim runs [`CLAIM`] when its read keeps predating the row it judged.
 /// Once is the rule; a second run is common in a race (its snapshot then has the winner);
 /// more needs the record to change again between each run.
@@ -151,6 +163,12 @@ pub(super) fn read(
         // an older version of the row than the one the statement judged.
         ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => Ok(Answer::Again),
     }
+}
+
+/// Whether a run of [`CLAIM`] that gave an answer wrote the record (else its read answered).
+pub(super) fn wrote(rows: &[Row]) -> bool {
+    rows.first()
+        .is_some_and(|row| row.try_get::<_, bool>(0).unwrap_or(true))
 }
 
 /// Column `i` of `row`, a [`StoreError::Corrupt`] if it is not of the expected type.

@@ -36,8 +36,8 @@ pub struct PostgresStoreConfig {
     /// The password, used when the URL carries none. [`new`](Self::new) takes it from
     /// `PGPASSWORD`, as libpq does. Never logged.
     pub password: Option<String>,
-    /// Most connections the store keeps open at once. Default
-    /// [`DEFAULT_POOL_SIZE`](Self::DEFAULT_POOL_SIZE).
+    /// Most connections the store keeps open at once; with two or more, one of them carries
+    /// the reads every call shares. Default [`DEFAULT_POOL_SIZE`](Self::DEFAULT_POOL_SIZE).
     pub pool_size: usize,
     /// How long one store call may take, waiting for a pooled connection and connecting
     /// included, before it fails with [`StoreError::Timeout`]. Also each connection's

@@ -313,6 +313,57 @@ async fn a_lazy_store_starts_without_the_server_and_sets_up_at_its_first_connect
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_server_is_unavailable_quickly_and_served_again_once_back() {
+    stopped_and_restarted(false).await;
+}
+
+/// The same with claims reading first: the shared reader's connection dies with the server,
+/// and the next read after the restart opens another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_served_again_once_back_while_claims_read_first() {
+    stopped_and_restarted(true).await;
+}
+
+/// Reads held up on the server (here by a lock on the whole table) time out within the
+/// store timeout, and once the server answers again the next reads are served, on a
+/// connection other than the one left running the timed-out statements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_that_time_out_are_served_again_afterwards() {
+    let server = PostgresServer::start();
+    let mut config = config(&server);
+    config.timeout = FAULT_TIMEOUT;
+    let store = connect(config).await;
+    let long = options(Duration::from_secs(30), Duration::from_secs(3600));
+    completed(&store, "kept", &long).await;
+    retries(&store, "kept", &long, 12).await;
+
+    let mut locker = raw(&server).await;
+    let lock = locker.transaction().await.expect("begin");
+    lock.batch_execute("LOCK TABLE idemgate_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock the table");
+    for call in 0..3 {
+        let started = Instant::now();
+        let result = claim(&store, "kept", &long).await;
+        assert!(
+            matches!(result, Err(StoreError::Timeout { .. })),
+            "call {call} while the table is locked: {result:?}"
+        );
+        assert!(
+            started.elapsed() < FAULT_TIMEOUT * 3,
+            "call {call} took {:?}",
+            started.elapsed()
+        );
+    }
+    lock.rollback().await.expect("unlock the table");
+    for _ in 0..20 {
+        let replay = claim(&store, "kept", &long).await;
+        assert!(matches!(replay, Ok(Claim::Completed(_))), "{replay:?}");
+    }
+}
+
+/// A server stopped under a store: calls fail within the store timeout, and the same store
+/// serves again once the server is back. `reading_first`: after a run of replays.
+async fn stopped_and_restarted(reading_first: bool) {
     let mut server = PostgresServer::start();
     let mut config = config(&server);
     config.timeout = FAULT_TIMEOUT;
@@ -331,6 +382,9 @@ async fn a_stopped_server_is_unavailable_quickly_and_served_again_once_back() {
             .expect("complete"),
         Transition::Applied
     );
+    if reading_first {
+        retries(&store, "kept", &long, 12).await;
+    }
 
     server.stop();
     for call in 0..3 {

@@ -121,8 +121,8 @@ const _: () = assert!(
 /// [`get`](Store::get)) share one of the pool's connections, pipelined, when the pool has two
 /// or more: reading first pays while at least about every other recent claim found a record
 /// that answers it without a write (a replay, a request in flight, a mismatch), and claims
-/// read first only then; such answers then wait for no pooled connection, and keep coming
-/// while every write waits. Traffic of mostly new keys goes straight to the claim statement.
+/// read first only then; once that connection is open, such answers wait for no other, and
+/// keep coming while every write waits. Traffic of mostly new keys goes straight to the claim statement.
 /// Each call is bounded by
 /// [`timeout`](PostgresStoreConfig::timeout) — waiting for a connection, connecting and
 /// running its statement included — and fails with [`StoreError::Timeout`] once it passes;

@@ -2,11 +2,12 @@
 //! for every call at once, and [`ReadHits`], which decides whether claims read first.
 //!
 //! A read commits nothing, so it waits for no WAL flush and can queue behind other reads
-//! without delay: statements sent together on one connection are pipelined, and PostgreSQL
-//! reads them in one go and answers them in one write: the lookup a claim reads first costs the
-//! server about a third of what it costs from many connections in turn (BENCHMARKS.md). Writes stay one call
-//! per pooled connection: a commit waits for its WAL flush, which would hold up every
-//! statement pipelined behind it, while commits from many sessions share one flush.
+//! without delay. Statements sent together on one connection are pipelined: PostgreSQL reads
+//! them in one go and answers them in one write, and the lookup a claim reads first costs the
+//! server about a third of what it costs from many connections in turn (BENCHMARKS.md).
+//! Writes stay one call per pooled connection: a commit waits for its WAL flush, which would
+//! hold up every statement pipelined behind it, while commits from many sessions share one
+//! flush.
 
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

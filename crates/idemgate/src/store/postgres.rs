@@ -155,10 +155,9 @@ struct Inner {
     sweep_batch: u32,
     /// Whether the tables are set up on the server (see [`schema::Check`]).
     schema: schema::Check,
-    /// The connection reads share (see [`reader`]); unused with a pool of one connection,
+    /// The connection reads share (see [`reader`]); none with a pool of one connection,
     /// where it would leave none for writes.
-    reader: reader::Slot,
-    shared_reads: bool,
+    reader: Option<reader::Slot>,
     /// Whether claims read first, from what recent claims found.
     read_hits: reader::ReadHits,
 }
@@ -263,8 +262,7 @@ impl PostgresStore {
             server,
             sweep_batch: config.sweep_batch.max(1),
             schema: schema::Check::default(),
-            reader: reader::Slot::default(),
-            shared_reads: pool_size > 1,
+            reader: (pool_size > 1).then(reader::Slot::default),
             read_hits: reader::ReadHits::default(),
         });
         sweep::spawn_sweeper(Arc::downgrade(&inner), config.sweep_interval);
@@ -324,11 +322,7 @@ impl Inner {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
         let client = self.client(deadline).await?;
-        let run = async {
-            let statement = client.prepare_cached(sql).await?;
-            client.query(&statement, params).await
-        };
-        match timeout_at(deadline, run).await {
+        match timeout_at(deadline, run(&client, sql, params)).await {
             Ok(rows) => rows.map_err(|e| self.pg_error(e)),
             Err(_) => {
                 drop(Object::take(client));
@@ -346,23 +340,18 @@ impl Inner {
         sql: &'static str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<Row>, StoreError> {
-        if !self.shared_reads {
+        let Some(slot) = &self.reader else {
             return self.query(deadline, sql, params).await;
-        }
-        let open = async { self.client(deadline).await };
-        let reader = match timeout_at(deadline, self.reader.get(open)).await {
+        };
+        let reader = match timeout_at(deadline, slot.get(self.client(deadline))).await {
             Ok(reader) => reader?,
             Err(_) => return Err(self.timeout_error()),
         };
-        let run = async {
-            let statement = reader.prepare_cached(sql).await?;
-            reader.query(&statement, params).await
-        };
-        match timeout_at(deadline, run).await {
+        match timeout_at(deadline, run(&reader, sql, params)).await {
             Ok(Ok(rows)) => Ok(rows),
             Ok(Err(e)) => {
                 if reader.is_closed() {
-                    self.reader.forget(&reader);
+                    slot.forget(&reader);
                 }
                 Err(self.pg_error(e))
             }
@@ -370,7 +359,7 @@ impl Inner {
                 // The calls pipelined behind this one would wait for it too: the next reads
                 // go to another connection, and this one is closed once its last read ends.
                 reader.discard();
-                self.reader.forget(&reader);
+                slot.forget(&reader);
                 Err(self.timeout_error())
             }
         }
@@ -460,6 +449,16 @@ impl Inner {
             after: self.timeout,
         }
     }
+}
+
+/// Runs `sql`, prepared once per connection, with `params` on `client`.
+async fn run(
+    client: &Object,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    let statement = client.prepare_cached(sql).await?;
+    client.query(&statement, params).await
 }
 
 /// Whole microseconds, rounded up (a sub-microsecond duration must not become "expire now"),
@@ -575,20 +574,24 @@ impl Store for PostgresStore {
                 .read(deadline, claim::FOUND, &params[..2])
                 .await?;
             let answer = claim::read(&rows, token, options.on_lapse)?;
-            let answered = matches!(answer, claim::Answer::Claim(_));
-            self.inner.read_hits.record(answered);
-            if let claim::Answer::Claim(answer) = answer {
+            self.inner
+                .read_hits
+                .record(matches!(answer, claim::Answer::Found(_)));
+            if let claim::Answer::Found(answer) = answer {
                 return Ok(answer);
             }
         }
         for attempt in 0..claim::ATTEMPTS {
             let rows = self.inner.query(deadline, claim::CLAIM, &params).await?;
-            if let claim::Answer::Claim(answer) = claim::read(&rows, token, options.on_lapse)? {
-                if !read_first && attempt == 0 {
-                    self.inner.read_hits.record(!claim::wrote(&rows));
-                }
-                return Ok(answer);
+            let (answer, found) = match claim::read(&rows, token, options.on_lapse)? {
+                claim::Answer::Written(answer) => (answer, false),
+                claim::Answer::Found(answer) => (answer, true),
+                claim::Answer::Again => continue,
+            };
+            if !read_first && attempt == 0 {
+                self.inner.read_hits.record(found);
             }
+            return Ok(answer);
         }
         Err(server_error(
             &self.inner.server,

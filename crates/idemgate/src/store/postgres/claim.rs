@@ -99,11 +99,13 @@ FROM idemgate_records WHERE key = $1::bytea
 /// more needs the record to change again between each run.
 pub(super) const ATTEMPTS: usize = 5;
 
-/// What one run of [`CLAIM`] answered.
+/// What one run of [`CLAIM`] (or [`FOUND`]) answered.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Answer {
-    /// The claim's answer.
-    Claim(Claim),
+    /// The claim's answer, from the row the statement wrote.
+    Written(Claim),
+    /// The claim's answer, from the record as the statement read it: nothing was written.
+    Found(Claim),
     /// The statement's read predates the row it judged: run it again.
     Again,
 }
@@ -123,9 +125,9 @@ pub(super) fn read(
     if written {
         let ours: Option<bool> = get(row, 3)?;
         return match (state, ours) {
-            ("in_flight", Some(true)) => Ok(Answer::Claim(Claim::Acquired(token))),
-            ("ambiguous", _) if same_fingerprint => Ok(Answer::Claim(Claim::Ambiguous)),
-            ("ambiguous", _) => Ok(Answer::Claim(Claim::Mismatch)),
+            ("in_flight", Some(true)) => Ok(Answer::Written(Claim::Acquired(token))),
+            ("ambiguous", _) if same_fingerprint => Ok(Answer::Written(Claim::Ambiguous)),
+            ("ambiguous", _) => Ok(Answer::Written(Claim::Mismatch)),
             _ => Err(corrupt("unexpected claim answer")),
         };
     }
@@ -149,11 +151,11 @@ pub(super) fn read(
         state,
     };
     match decide(Some(found), on_lapse, now) {
-        ClaimStep::Answer(claim) => Ok(Answer::Claim(claim)),
+        ClaimStep::Answer(claim) => Ok(Answer::Found(claim)),
         ClaimStep::Replay {
             completion: Some(body),
             ..
-        } => Ok(Answer::Claim(Claim::Completed(Arc::new(
+        } => Ok(Answer::Found(Claim::Completed(Arc::new(
             decode_completion(BACKEND, Bytes::from(body))?,
         )))),
         ClaimStep::Replay {
@@ -163,12 +165,6 @@ pub(super) fn read(
         // an older version of the row than the one the statement judged.
         ClaimStep::Acquire { .. } | ClaimStep::MakeAmbiguous { .. } => Ok(Answer::Again),
     }
-}
-
-/// Whether a run of [`CLAIM`] that gave an answer wrote the record (else its read answered).
-pub(super) fn wrote(rows: &[Row]) -> bool {
-    rows.first()
-        .is_some_and(|row| row.try_get::<_, bool>(0).unwrap_or(true))
 }
 
 /// Column `i` of `row`, a [`StoreError::Corrupt`] if it is not of the expected type.
